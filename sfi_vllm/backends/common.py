@@ -1,0 +1,172 @@
+"""What the CPU and CUDA SFI backends share.
+
+Per engine step (metadata builder, once for all layers): split the batch rows into *kernel rows*
+(prefill, dense and slow decode rows, which the platform's dense kernel computes) and *fast rows*
+(which read the compact set and the recent window), and build the dense kernel's metadata for the
+kernel rows alone.
+
+Per layer (impl): after the dense kernel ran, refresh the selection of slow rows (Selector over
+the decode query's attention probabilities, then pack the compact set), and compute fast rows
+with the reference fast-step attention.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from sfi_vllm.attention_ref import attention_probs, fast_step_attention
+from sfi_vllm.compact import CompactBuffer, selected_count, window_start
+from sfi_vllm.controller import SFIController, StepPlan
+from sfi_vllm.paged_kv import PagedKV
+from sfi_vllm.selector import Selector
+from sfi_vllm.trigger import StepMode
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class SFIStep:
+    """One engine step's SFI view of the batch, shared by every layer."""
+
+    plan: StepPlan
+    row_token: list[int]  # first token index of each row
+    seq_lens: list[int]  # tokens in the cache per row, including this step's
+    block_table: torch.Tensor  # (num_reqs, max_blocks)
+    fast_rows: list[int]
+    slow_rows: list[int]
+    kernel_rows: list[int]
+    kernel_token_idx: torch.Tensor | None  # token indices of the kernel rows (None: all tokens)
+    kernel_metadata: Any = None  # the dense kernel's metadata for the kernel rows
+
+
+def subset_common_metadata(cam: Any, rows: list[int]) -> tuple[Any, torch.Tensor]:
+    """``CommonAttentionMetadata`` restricted to ``rows`` (and their tokens)."""
+    qsl = cam.query_start_loc_cpu.to(torch.long)
+    dev = cam.query_start_loc.device
+    lens = qsl[1:] - qsl[:-1]
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    tok = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows])
+    new_qsl = torch.zeros(len(rows) + 1, dtype=cam.query_start_loc_cpu.dtype)
+    new_qsl[1:] = torch.cumsum(lens[rows_t], 0)
+    seq_lens = cam.seq_lens[rows_t.to(cam.seq_lens.device)]
+    fields: dict[str, Any] = dict(
+        query_start_loc=new_qsl.to(dev),
+        query_start_loc_cpu=new_qsl,
+        seq_lens=seq_lens,
+        num_reqs=len(rows),
+        num_actual_tokens=int(tok.numel()),
+        max_query_len=int(lens[rows_t].max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=cam.block_table_tensor[rows_t.to(cam.block_table_tensor.device)],
+        slot_mapping=cam.slot_mapping[tok.to(cam.slot_mapping.device)],
+    )
+    if getattr(cam, "positions", None) is not None:
+        fields["positions"] = cam.positions[tok.to(cam.positions.device)]
+    for name in ("is_prefilling", "seq_lens_cpu_upper_bound", "_seq_lens_cpu", "_num_computed_tokens_cpu"):
+        value = getattr(cam, name, None)
+        if isinstance(value, torch.Tensor) and value.shape[:1] == cam.seq_lens.shape[:1]:
+            fields[name] = value[rows_t.to(value.device)]
+    for name in ("logits_indices_padded", "num_logits_indices", "_num_computed_tokens_cache",
+                 "_token_to_req_indices_cache"):
+        if hasattr(cam, name):
+            fields[name] = None
+    return cam.replace(**fields), tok
+
+
+def make_step(
+    plan: StepPlan, cam: Any, build_kernel_metadata: Callable[[Any], Any]
+) -> SFIStep:
+    n = cam.num_reqs
+    if n < plan.num_reqs:
+        raise RuntimeError(
+            f"sfi-vllm: attention metadata has {n} rows but the step plan has {plan.num_reqs}"
+        )
+    modes = plan.modes + [int(StepMode.PREFILL)] * (n - plan.num_reqs)  # padding rows
+    qsl = cam.query_start_loc_cpu.tolist()
+    seq_lens = cam.seq_lens.tolist()
+    fast = [i for i, m in enumerate(modes) if m == StepMode.FAST]
+    slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
+    kernel = [i for i, m in enumerate(modes) if m != StepMode.FAST]
+    step = SFIStep(
+        plan=plan,
+        row_token=qsl[:-1],
+        seq_lens=seq_lens,
+        block_table=cam.block_table_tensor,
+        fast_rows=fast,
+        slow_rows=slow,
+        kernel_rows=kernel,
+        kernel_token_idx=None,
+    )
+    if fast and kernel:
+        sub, tok = subset_common_metadata(cam, kernel)
+        step.kernel_metadata = build_kernel_metadata(sub)
+        step.kernel_token_idx = tok
+    return step
+
+
+def layer_index(layer: Any, fallback: int) -> int:
+    m = _LAYER_INDEX.search(getattr(layer, "layer_name", "") or "")
+    return int(m.group(1)) if m else fallback
+
+
+class SFILayer:
+    """The SFI state and work of one attention layer (held by the backend's impl)."""
+
+    def __init__(self, controller: SFIController, num_heads: int, num_kv_heads: int,
+                 head_size: int, scale: float) -> None:
+        self.controller = controller
+        self.cfg = controller.cfg
+        self.selector = Selector(self.cfg.selector)
+        self.buffer = CompactBuffer()
+        controller.register_buffer(self.buffer)
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = scale
+
+    def refreshes(self, plan: StepPlan, row: int, layer_idx: int) -> bool:
+        if plan.refresh_all[row] or not self.cfg.layer_interleaved_refresh:
+            return True
+        return (layer_idx + plan.slow_counts[row]) % 2 == 0
+
+    def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
+        """Re-select and repack the compact set of every slow row that refreshes this layer."""
+        plan, cfg = step.plan, self.cfg
+        for row in step.slow_rows:
+            if not self.refreshes(plan, row, layer_idx):
+                continue
+            ctx = step.seq_lens[row]
+            bt = step.block_table[row]
+            ws = window_start(cfg, ctx)
+            sinks = min(cfg.sinks, ctx)
+            k = selected_count(cfg, ctx)
+            if k < ws - sinks:
+                keys, _ = paged.gather_range(bt, 0, ctx, want_values=False)
+                q = query[step.row_token[row]].view(self.num_heads, self.head_size)
+                probs = attention_probs(q, keys, self.scale)
+                norms = keys[:, sinks:ws].float().norm(dim=-1)
+                selected = self.selector.select(probs, norms, sinks, ws, k, num_query_rows=1)
+            else:  # every candidate fits: no need to score
+                selected = torch.arange(sinks, ws, device=bt.device).expand(self.num_kv_heads, -1)
+            self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
+
+    def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
+        """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
+        plan = step.plan
+        for row in step.fast_rows:
+            entry = self.buffer.get(plan.slots[row], plan.generations[row])
+            if entry is None:
+                raise RuntimeError(
+                    f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
+                    "(a slow step must come first); this is a bug"
+                )
+            ctx = step.seq_lens[row]
+            wk, wv = paged.gather_range(step.block_table[row], entry.window_start, ctx)
+            t = step.row_token[row]
+            q = query[t].view(self.num_heads, self.head_size)
+            out = fast_step_attention(q, entry.keys, entry.values, wk, wv, self.scale)
+            output[t] = out.view_as(output[t]).to(output.dtype)
+            attended = entry.num_tokens + (ctx - entry.window_start)
+            self.controller.stats.record_fast_layer(plan.req_ids[row], attended, ctx)

@@ -1,0 +1,234 @@
+"""SFIConfig: the one validated configuration object for every SFI knob.
+
+Sources, later ones overriding earlier ones field by field:
+  1. the preset named by ``preset`` (``configs/<name>.yaml``: quality, balanced, speed);
+  2. a YAML file named by the environment variable ``SFI_CONFIG``;
+  3. the ``sfi`` key of vLLM's ``--additional-config`` (or ``LLM(additional_config=...)``).
+
+Defaults and their meaning are in ../shared/docs/sfi-method.md; the README lists every field.
+A bad value raises :class:`SFIConfigError` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = ("quality", "balanced", "speed")
+ENV_CONFIG_FILE = "SFI_CONFIG"
+ADDITIONAL_CONFIG_KEY = "sfi"
+
+
+class SFIConfigError(ValueError):
+    """A bad SFI setting; the message names the field and the allowed range."""
+
+
+class SelectorConfig(BaseModel):
+    """Constants of the Selector (evidence pooling, prior, fusion, soft-NMS, exclusivity)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    alpha: float = Field(0.5, gt=0.0, le=4.0, description="power-mean exponent pooling the GQA group")
+    use_prior: bool = Field(True, description="fuse the key-norm/position prior with the evidence")
+    gamma: float = Field(0.5, ge=0.0, le=4.0, description="key-norm damping exponent")
+    w_norm: float = Field(1.0, ge=0.0, le=10.0, description="weight of the key-norm term")
+    w_pos: float = Field(0.7, ge=0.0, le=10.0, description="weight of the position term")
+    pos_power: float = Field(1.8, gt=0.0, le=10.0, description="p in -beta*u^p")
+    eta: float = Field(0.4, ge=0.0, le=10.0, description="weight of log(1-u)")
+    beta: float = Field(0.5676, ge=0.0, le=10.0, description="-ln(0.6)/0.9")
+    lambda_max_single: float = Field(0.35, ge=0.0, le=1.0, description="lambda clip, one query row")
+    lambda_max_multi: float = Field(0.25, ge=0.0, le=1.0, description="lambda clip, several rows")
+    use_nms: bool = Field(True, description="soft non-maximum suppression along positions")
+    nms_radius: int = Field(16, ge=1, le=1024, description="soft-NMS half window in tokens")
+    nms_strength: float = Field(1.0, ge=0.0, le=10.0, description="a: log-gap penalty factor")
+    use_exclusivity: bool = Field(True, description="cross-head exclusivity (needs > 2 KV heads)")
+    exclusivity_temperature: float = Field(2.0, gt=0.0, le=100.0, description="T")
+    exclusivity_strength: float = Field(0.85, ge=0.0, le=10.0, description="c")
+
+
+class SFIConfig(BaseModel):
+    """Every SFI knob. Token counts are per sequence, per layer, per KV head."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: Literal["quality", "balanced", "speed"] | None = None
+    policy: Literal["sfi"] = Field("sfi", description="attention policy (only 'sfi' today)")
+
+    # Working set of a fast step.
+    sinks: int = Field(4, ge=0, le=4096, description="first tokens always kept")
+    recent_window: int = Field(256, ge=1, le=1 << 20, description="last tokens read in place")
+    window_align: int = Field(
+        16, ge=1, le=4096, description="the window's start is aligned down to this many tokens"
+    )
+    selected_tokens: int | None = Field(
+        None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
+    )
+    selected_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="K as a fraction of the context (replaces selected_tokens)"
+    )
+    selected_floor: int = Field(64, ge=0, le=1 << 20, description="lower bound on K (fraction mode)")
+    selected_cap: int = Field(8192, ge=1, le=1 << 20, description="upper bound on K (fraction mode)")
+
+    # Slow-step triggers.
+    boundary_trigger: bool = Field(True, description="slow step at sentence boundaries")
+    boundary_fire: Literal["next_token", "at_ender"] = Field(
+        "next_token",
+        description="fire on the first token after the ender (authors) or on the ender itself",
+    )
+    newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
+    boundary_token_ids: list[int] | None = Field(
+        None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
+    )
+    reuse_budget: int = Field(64, ge=1, le=1 << 20, description="max fast steps between slow steps")
+    min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
+    dense_below_context: int = Field(
+        0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
+    )
+    layer_interleaved_refresh: bool = Field(
+        False, description="a slow step refreshes half of the layers (odd/even alternating)"
+    )
+
+    selector: SelectorConfig = Field(default_factory=SelectorConfig)
+
+    # Observability.
+    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_budget(cls, data: Any) -> Any:
+        # K defaults to 2048 tokens unless a fraction is given.
+        if isinstance(data, dict) and data.get("selected_tokens") is None and data.get(
+            "selected_fraction"
+        ) is None:
+            data = {**data, "selected_tokens": 2048}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "SFIConfig":
+        if self.selected_tokens is not None and self.selected_fraction is not None:
+            raise ValueError("give selected_tokens or selected_fraction, not both")
+        if self.selected_floor > self.selected_cap:
+            raise ValueError(
+                f"selected_floor ({self.selected_floor}) must be <= selected_cap ({self.selected_cap})"
+            )
+        if self.min_gap > self.reuse_budget:
+            raise ValueError(
+                f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
+            )
+        return self
+
+    def selected_budget(self, context_len: int) -> int:
+        """K for a context of ``context_len`` tokens (before clipping to the candidates)."""
+        if self.selected_fraction is None:
+            assert self.selected_tokens is not None
+            return self.selected_tokens
+        k = round(self.selected_fraction * context_len)
+        return max(self.selected_floor, min(self.selected_cap, k))
+
+    def max_selected_budget(self, max_context_len: int) -> int:
+        """The largest K any context up to ``max_context_len`` can get (for sizing buffers)."""
+        return self.selected_budget(max_context_len)
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SFIConfigError(f"{what}: file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise SFIConfigError(f"{what}: {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SFIConfigError(f"{what}: {path} must hold a mapping of SFI fields")
+    return data
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise SFIConfigError(f"sfi.preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return _read_yaml(PRESET_DIR / f"{name}.yaml", f"preset {name!r}")
+
+
+def _allowed_range(loc: tuple) -> str:
+    """'0 <= x <= 4096'-style text for a numeric field, from its declared constraints."""
+    model: Any = SFIConfig
+    field = None
+    for part in loc:
+        if not isinstance(part, str) or part not in getattr(model, "model_fields", {}):
+            return ""
+        field = model.model_fields[part]
+        model = field.annotation
+    if field is None:
+        return ""
+    lo = hi = ""
+    for m in field.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">")):
+            if getattr(m, attr, None) is not None:
+                lo = f"{getattr(m, attr)} {sym.replace('>', '<')} "
+        for attr, sym in (("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                hi = f" {sym} {getattr(m, attr)}"
+    return f"{lo}value{hi}" if lo or hi else ""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        ctx = e.get("ctx") or {}
+        rng = _allowed_range(e["loc"])
+        allowed = f" (allowed: {rng})" if rng else ""
+        if e["type"] == "literal_error" and "expected" in ctx:
+            allowed = ""
+        got = f"; got {e['input']!r}" if "input" in e and not isinstance(e["input"], dict) else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  sfi.{loc}: {msg}{allowed}{got}")
+    return "invalid SFI configuration:\n" + "\n".join(lines)
+
+
+def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = True) -> SFIConfig:
+    """Merge preset < $SFI_CONFIG file < ``overrides`` and validate."""
+    overrides = dict(overrides or {})
+    file_values: dict[str, Any] = {}
+    if use_env and os.environ.get(ENV_CONFIG_FILE):
+        file_values = _read_yaml(Path(os.environ[ENV_CONFIG_FILE]), f"${ENV_CONFIG_FILE}")
+    preset = overrides.get("preset", file_values.get("preset"))
+    merged: dict[str, Any] = {}
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise SFIConfigError(f"sfi.preset: must be one of {', '.join(PRESETS)}; got {preset!r}")
+        merged.update(preset_values(preset))
+    for layer in (file_values, overrides):
+        for key, value in layer.items():
+            if key == "selector" and isinstance(value, dict):
+                merged["selector"] = {**merged.get("selector", {}), **value}
+            else:
+                merged[key] = value
+    user = {**file_values, **overrides}
+    if user.get("selected_fraction") is not None and "selected_tokens" not in user:
+        merged.pop("selected_tokens", None)  # a fraction given by the user replaces the preset's K
+    try:
+        return SFIConfig.model_validate(merged)
+    except ValidationError as e:
+        raise SFIConfigError(_format_validation_error(e)) from None
+
+
+def config_from_vllm(vllm_config: Any) -> SFIConfig:
+    """The SFIConfig for an engine: ``additional_config["sfi"]`` over $SFI_CONFIG over the preset."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, dict):
+        extra = {}
+    sfi = extra.get(ADDITIONAL_CONFIG_KEY, {})
+    if sfi is None:
+        sfi = {}
+    if not isinstance(sfi, dict):
+        raise SFIConfigError(
+            f"--additional-config: the {ADDITIONAL_CONFIG_KEY!r} key must be a JSON object; got {sfi!r}"
+        )
+    return build_config(sfi)

@@ -1,0 +1,244 @@
+"""SFIController: the worker-side control plane shared by every SFI attention layer.
+
+It owns request slots, the :class:`SlowStepTrigger` and the statistics, and turns each engine step
+into a :class:`StepPlan` (one mode per batch row) before the model runs. vLLM's model runner calls
+it through the hooks in :mod:`sfi_vllm.patches.runner_hooks`; the metadata builder attaches the
+plan to the step's attention metadata; every layer's impl reads it.
+
+One controller per worker process (vLLM builds one model per worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sfi_vllm.compact import CompactBuffer
+from sfi_vllm.config import SFIConfig, config_from_vllm
+from sfi_vllm.stats import StatsRegistry
+from sfi_vllm.trigger import (
+    BoundaryTokens,
+    SlowReason,
+    SlowStepTrigger,
+    StepMode,
+    boundary_tokens_from_tokenizer,
+)
+
+logger = logging.getLogger("sfi_vllm")
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(req_id: str) -> str:
+    """vLLM appends ``-<8 hex>`` to the caller's request id; strip it."""
+    return _INTERNAL_SUFFIX.sub("", req_id)
+
+
+@dataclass
+class StepPlan:
+    """What every row of one engine step does. Rows follow the runner's batch order."""
+
+    num_reqs: int
+    req_ids: list[str]
+    slots: list[int]
+    generations: list[int]
+    modes: list[int]  # StepMode
+    reasons: list[int]  # SlowReason
+    refresh_all: list[bool]  # a slow step that must refresh every layer
+    slow_counts: list[int]  # slow steps so far (selects the half of layers an interleaved step refreshes)
+
+    def rows(self, mode: StepMode) -> list[int]:
+        return [i for i, m in enumerate(self.modes) if m == mode]
+
+
+class SFIController:
+    def __init__(self, cfg: SFIConfig, vllm_config: Any) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.generation = [0] * self.num_slots
+        self.slow_count = [0] * self.num_slots
+        self.stats = StatsRegistry(cfg.stats_file)
+        self.buffers: list[CompactBuffer] = []
+        self.current_plan: StepPlan | None = None
+        self.planned_steps = 0
+        boundary = self._boundary_tokens(vllm_config)
+        vocab = int(vllm_config.model_config.get_vocab_size())
+        if boundary is not None:
+            vocab = max(vocab, max(boundary.enders | boundary.skips, default=0) + 1)
+        # The plan is made on the host here (the reference path); the trigger is vectorised so the
+        # GPU fast path can run it on device tensors.
+        self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary, device="cpu")
+        self.boundary = boundary
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _boundary_tokens(self, vllm_config: Any) -> BoundaryTokens | None:
+        cfg = self.cfg
+        if cfg.boundary_token_ids is not None:
+            return BoundaryTokens(frozenset(cfg.boundary_token_ids), frozenset())
+        if not cfg.boundary_trigger:
+            return None
+        model_config = vllm_config.model_config
+        if getattr(model_config, "skip_tokenizer_init", False):
+            raise ValueError(
+                "sfi-vllm: skip_tokenizer_init leaves the boundary trigger without a vocabulary; "
+                "set sfi.boundary_token_ids or sfi.boundary_trigger=false"
+            )
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=getattr(model_config, "trust_remote_code", False),
+        )
+        boundary = boundary_tokens_from_tokenizer(tok, cfg.newline_is_boundary)
+        logger.info(
+            "sfi-vllm: %d sentence-ending token ids and %d whitespace ids from the tokenizer",
+            len(boundary.enders),
+            len(boundary.skips),
+        )
+        return boundary
+
+    def register_buffer(self, buf: CompactBuffer) -> None:
+        self.buffers.append(buf)
+
+    # -- request lifecycle ----------------------------------------------------------------------
+    def _slot(self, req_id: str) -> int:
+        slot = self.slot_of.get(req_id)
+        if slot is None:
+            if not self.free_slots:
+                raise RuntimeError(
+                    f"sfi-vllm: more than max_num_seqs={self.num_slots} requests in flight"
+                )
+            slot = self.free_slots.pop()
+            self.slot_of[req_id] = slot
+            self._reset(slot)
+        return slot
+
+    def _reset(self, slot: int) -> None:
+        self.generation[slot] += 1
+        self.slow_count[slot] = 0
+        self.trigger.reset(torch.tensor([slot]))
+        for buf in self.buffers:
+            buf.drop(slot)
+
+    def _release(self, req_id: str, preempted: bool) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self._reset(slot)
+            self.free_slots.append(slot)
+        self.stats.finish(req_id, preempted=preempted)
+
+    def on_scheduler_output(self, scheduler_output: Any) -> None:
+        """Free the slots of finished and preempted requests (before the runner drops them)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._release(req_id, preempted=False)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._release(req_id, preempted=True)
+
+    # -- per step -------------------------------------------------------------------------------
+    def plan_step(
+        self,
+        req_ids: list[str],
+        num_scheduled: np.ndarray,
+        num_computed: np.ndarray,
+        prompt_lens: list[int],
+        first_input_tokens: torch.Tensor,
+    ) -> StepPlan:
+        """Classify each row, run the trigger for decode rows and record statistics.
+
+        ``first_input_tokens[i]`` is row i's first input token (for a decode row, the token
+        sampled last step).
+        """
+        n = len(req_ids)
+        slots = [self._slot(r) for r in req_ids]
+        modes = [int(StepMode.PREFILL)] * n
+        reasons = [int(SlowReason.NONE)] * n
+        context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
+        decode_rows = []
+        for i in range(n):
+            if int(num_scheduled[i]) == 1 and int(num_computed[i]) >= prompt_lens[i]:
+                decode_rows.append(i)
+            else:
+                self._reset(slots[i])  # (re)prefill: the next decode step starts afresh
+        if decode_rows:
+            idx = torch.tensor(decode_rows)
+            mode, reason = self.trigger.step(
+                torch.tensor([slots[i] for i in decode_rows]),
+                first_input_tokens[idx].to("cpu"),
+                torch.tensor([context[i] for i in decode_rows]),
+            )
+            for j, i in enumerate(decode_rows):
+                modes[i], reasons[i] = int(mode[j]), int(reason[j])
+        refresh_all = [False] * n
+        slow_counts = [0] * n
+        for i in range(n):
+            if modes[i] == StepMode.SLOW:
+                refresh_all[i] = reasons[i] == SlowReason.FIRST_DECODE
+                slow_counts[i] = self.slow_count[slots[i]]
+                self.slow_count[slots[i]] += 1
+            self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i])
+        plan = StepPlan(
+            num_reqs=n,
+            req_ids=list(req_ids),
+            slots=slots,
+            generations=[self.generation[s] for s in slots],
+            modes=modes,
+            reasons=reasons,
+            refresh_all=refresh_all,
+            slow_counts=slow_counts,
+        )
+        self.current_plan = plan
+        self.planned_steps += 1
+        return plan
+
+    def take_plan(self, num_reqs: int) -> StepPlan | None:
+        """The plan for the metadata being built now, or None outside a planned step (profiling,
+        warm-up and capture runs, which vLLM runs without scheduling requests)."""
+        plan = self.current_plan
+        if plan is None:
+            return None
+        if plan.num_reqs != num_reqs:
+            raise RuntimeError(
+                f"sfi-vllm: step plan has {plan.num_reqs} rows but attention metadata has "
+                f"{num_reqs}; the runner hooks are out of step with this vLLM version"
+            )
+        return plan
+
+    def end_step(self) -> None:
+        self.current_plan = None
+
+
+_CONTROLLER: SFIController | None = None
+
+
+def get_controller(vllm_config: Any | None = None) -> SFIController:
+    """The process's controller, created on first use from ``vllm_config`` (and anew for each
+    engine built in the same process)."""
+    global _CONTROLLER
+    if vllm_config is not None and _CONTROLLER is not None and _CONTROLLER.vllm_config is not vllm_config:
+        _CONTROLLER = None  # a new engine in this process
+    if _CONTROLLER is None:
+        if vllm_config is None:
+            raise RuntimeError("sfi-vllm: controller requested before the engine was configured")
+        from sfi_vllm.patches import runner_hooks
+
+        _CONTROLLER = SFIController(config_from_vllm(vllm_config), vllm_config)
+        runner_hooks.install()
+    return _CONTROLLER
+
+
+def current_controller() -> SFIController | None:
+    return _CONTROLLER
+
+
+def reset_controller() -> None:
+    """Forget the process's controller (tests that build several engines in one process)."""
+    global _CONTROLLER
+    _CONTROLLER = None

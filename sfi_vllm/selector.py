@@ -1,0 +1,136 @@
+"""The Selector: turn a slow step's dense attention into the next fast steps' selected tokens.
+
+Per layer and sequence, over candidate positions ``j in [lo, hi)`` (after the sinks, before the
+recent window), for each KV head:
+
+1. evidence ``f``: the attention probabilities of the GQA group's query rows, pooled by a power
+   mean (alpha = 0.5) and renormalised over the candidates;
+2. prior ``r`` from key norms and relative position ``u = (j - lo) / (hi - lo - 1)``:
+   ``log r = w_n * (-gamma * log|k|) + w_p * (-beta * u**p + eta * log(1 - u))``, renormalised;
+3. closed-form fusion ``s = (1 - lam) f + lam r`` with the adaptive
+   ``lam* = <f, f - r> / |f - r|^2`` clipped to ``[0, lambda_max]``;
+4. soft non-maximum suppression: ``log s' = log s - a * (max_{|i-j|<=R} log s_i - log s)``;
+5. cross-head exclusivity (more than 2 KV heads): ``rho = softmax_h(log s' / T)``,
+   ``log s'' = log s' + c * log rho``;
+6. top-K of ``log s''`` per head.
+
+This module is the plain-torch spec; GPU kernels must match it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sfi_vllm.config import SelectorConfig
+
+_LOG_FLOOR = -80.0  # log-probabilities are clamped here so that differences stay finite
+_EPS = 1e-30
+
+
+def _log_normalize(logits: torch.Tensor) -> torch.Tensor:
+    return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+class Selector:
+    def __init__(self, cfg: SelectorConfig | None = None) -> None:
+        self.cfg = cfg or SelectorConfig()
+
+    # 1. evidence --------------------------------------------------------------------------------
+    def evidence(self, probs: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """``probs (Hkv, R, L)`` -> ``f (Hkv, hi - lo)``, each row summing to 1."""
+        a = self.cfg.alpha
+        p = probs[..., lo:hi].float().clamp_min(0.0)
+        pooled = p.pow(a).mean(dim=1).pow(1.0 / a)
+        total = pooled.sum(dim=-1, keepdim=True)
+        uniform = torch.full_like(pooled, 1.0 / max(hi - lo, 1))
+        return torch.where(total > 0, pooled / total.clamp_min(_EPS), uniform)
+
+    # 2. prior -----------------------------------------------------------------------------------
+    def log_prior(self, key_norms: torch.Tensor) -> torch.Tensor:
+        """``key_norms (Hkv, C)`` of the candidates -> ``log r (Hkv, C)``, normalised."""
+        c = self.cfg
+        n = key_norms.shape[-1]
+        if n == 1:
+            u = torch.zeros(1, device=key_norms.device)
+        else:
+            u = torch.arange(n, device=key_norms.device, dtype=torch.float32) / (n - 1)
+        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log((1.0 - u).clamp_min(_EPS))
+        norm = -c.gamma * torch.log(key_norms.float().clamp_min(_EPS))
+        return _log_normalize(c.w_norm * norm + c.w_pos * pos)
+
+    # 3. fusion ----------------------------------------------------------------------------------
+    def fuse(
+        self, f: torch.Tensor, log_r: torch.Tensor, multi_row: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> ``(log s (Hkv, C), lam (Hkv,))``."""
+        r = log_r.exp()
+        diff = f - r
+        denom = (diff * diff).sum(dim=-1)
+        lam = torch.where(denom > 0, (f * diff).sum(dim=-1) / denom.clamp_min(_EPS), torch.zeros_like(denom))
+        lam_max = self.cfg.lambda_max_multi if multi_row else self.cfg.lambda_max_single
+        lam = lam.clamp(0.0, lam_max)
+        log_f = torch.log(f.clamp_min(_EPS))
+        lam_ = lam[:, None]
+        log_s = torch.logaddexp(
+            torch.log((1.0 - lam_).clamp_min(_EPS)) + log_f,
+            torch.log(lam_.clamp_min(_EPS)) + log_r,
+        )
+        # lam == 0 exactly means s = f (log(eps) + log r would leak a negligible amount otherwise)
+        log_s = torch.where(lam_ > 0, log_s, log_f)
+        return log_s.clamp_min(_LOG_FLOOR), lam
+
+    # 4. soft-NMS --------------------------------------------------------------------------------
+    def soft_nms(self, log_s: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.nms_radius
+        local_max = F.max_pool1d(log_s[:, None, :], kernel_size=2 * r + 1, stride=1, padding=r)[:, 0]
+        return log_s - self.cfg.nms_strength * (local_max - log_s)
+
+    # 5. exclusivity -----------------------------------------------------------------------------
+    def exclusivity(self, log_s: torch.Tensor) -> torch.Tensor:
+        if log_s.shape[0] <= 2:
+            return log_s
+        t, c = self.cfg.exclusivity_temperature, self.cfg.exclusivity_strength
+        log_rho = torch.log_softmax(log_s / t, dim=0)
+        return log_s + c * log_rho
+
+    # all steps ----------------------------------------------------------------------------------
+    def scores(
+        self, probs: torch.Tensor, key_norms: torch.Tensor, lo: int, hi: int, num_query_rows: int = 1
+    ) -> torch.Tensor:
+        """Final per-candidate scores ``(Hkv, hi - lo)``; higher is kept first."""
+        f = self.evidence(probs, lo, hi)
+        if self.cfg.use_prior:
+            log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=num_query_rows > 1)
+        else:
+            log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
+        if self.cfg.use_nms:
+            log_s = self.soft_nms(log_s)
+        if self.cfg.use_exclusivity:
+            log_s = self.exclusivity(log_s)
+        return log_s
+
+    def select(
+        self,
+        probs: torch.Tensor,
+        key_norms: torch.Tensor,
+        lo: int,
+        hi: int,
+        k: int,
+        num_query_rows: int = 1,
+    ) -> torch.Tensor:
+        """Absolute positions ``(Hkv, min(k, hi - lo))``, ascending per head.
+
+        ``probs (Hkv, R, L)`` are the slow step's attention probabilities over the whole history
+        (``R`` = query heads of the group x captured query rows); ``key_norms (Hkv, hi - lo)``.
+        """
+        hkv = probs.shape[0]
+        n = hi - lo
+        k = max(0, min(k, n))
+        if k == 0:
+            return torch.empty(hkv, 0, dtype=torch.long, device=probs.device)
+        if k == n:
+            return torch.arange(lo, hi, device=probs.device).expand(hkv, n).clone()
+        s = self.scores(probs, key_norms, lo, hi, num_query_rows)
+        idx = torch.topk(s, k, dim=-1).indices
+        return torch.sort(idx, dim=-1).values + lo

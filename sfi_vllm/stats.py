@@ -1,0 +1,128 @@
+"""Per-request SFI statistics: how many steps were dense, slow and fast, why each slow step fired,
+and how many tokens the fast steps attended to compared with the context.
+
+Collected in the worker process. Finished requests are kept (the newest ``KEEP_FINISHED``) for
+in-process readers (`sfi-vllm demo`, tests), logged, and optionally appended as JSON lines to
+``SFIConfig.stats_file`` so that a server's statistics survive its worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from sfi_vllm.trigger import SlowReason, StepMode
+
+logger = logging.getLogger("sfi_vllm")
+KEEP_FINISHED = 10_000
+MAX_EVENTS = 4096  # slow-step events kept per request
+
+
+@dataclass
+class RequestStats:
+    req_id: str
+    prompt_tokens: int = 0
+    prefill_steps: int = 0
+    dense_steps: int = 0
+    slow_steps: int = 0
+    fast_steps: int = 0
+    slow_reasons: Counter = field(default_factory=Counter)
+    # (decode step index, context length, reason) of each slow step, oldest first
+    slow_events: list[tuple[int, int, str]] = field(default_factory=list)
+    # sums over fast steps and layers: tokens attended, and the context they stood for
+    fast_attended_tokens: int = 0
+    fast_context_tokens: int = 0
+    fast_layer_evals: int = 0
+    preemptions: int = 0
+
+    @property
+    def decode_steps(self) -> int:
+        return self.dense_steps + self.slow_steps + self.fast_steps
+
+    @property
+    def mean_attended_per_fast_step(self) -> float:
+        return self.fast_attended_tokens / self.fast_layer_evals if self.fast_layer_evals else 0.0
+
+    @property
+    def mean_context_per_fast_step(self) -> float:
+        return self.fast_context_tokens / self.fast_layer_evals if self.fast_layer_evals else 0.0
+
+    @property
+    def attended_fraction(self) -> float:
+        return self.fast_attended_tokens / self.fast_context_tokens if self.fast_context_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["slow_reasons"] = dict(self.slow_reasons)
+        d["decode_steps"] = self.decode_steps
+        d["mean_attended_per_fast_step"] = round(self.mean_attended_per_fast_step, 2)
+        d["mean_context_per_fast_step"] = round(self.mean_context_per_fast_step, 2)
+        d["attended_fraction"] = round(self.attended_fraction, 4)
+        return d
+
+
+REASON_NAMES = {
+    SlowReason.FIRST_DECODE: "first_decode",
+    SlowReason.REUSE_BUDGET: "reuse_budget",
+    SlowReason.BOUNDARY: "boundary",
+}
+
+
+class StatsRegistry:
+    def __init__(self, stats_file: str | None = None) -> None:
+        self._lock = threading.Lock()
+        self.active: dict[str, RequestStats] = {}
+        self.finished: OrderedDict[str, RequestStats] = OrderedDict()
+        self.stats_file = stats_file
+
+    def get(self, req_id: str) -> RequestStats:
+        st = self.active.get(req_id)
+        if st is None:
+            st = self.active[req_id] = RequestStats(req_id)
+        return st
+
+    def record_step(self, req_id: str, mode: int, reason: int, context_len: int) -> None:
+        st = self.get(req_id)
+        if mode == StepMode.PREFILL:
+            st.prefill_steps += 1
+            st.prompt_tokens = max(st.prompt_tokens, context_len)
+        elif mode == StepMode.DENSE:
+            st.dense_steps += 1
+        elif mode == StepMode.FAST:
+            st.fast_steps += 1
+        else:
+            st.slow_steps += 1
+            name = REASON_NAMES[SlowReason(reason)]
+            st.slow_reasons[name] += 1
+            if len(st.slow_events) < MAX_EVENTS:
+                st.slow_events.append((st.decode_steps - 1, context_len, name))
+
+    def record_fast_layer(self, req_id: str, attended: int, context_len: int) -> None:
+        st = self.get(req_id)
+        st.fast_attended_tokens += attended
+        st.fast_context_tokens += context_len
+        st.fast_layer_evals += 1
+
+    def finish(self, req_id: str, preempted: bool = False) -> None:
+        if preempted:
+            if req_id in self.active:
+                self.active[req_id].preemptions += 1
+            return
+        st = self.active.pop(req_id, None)
+        if st is None:
+            return
+        with self._lock:
+            self.finished[req_id] = st
+            while len(self.finished) > KEEP_FINISHED:
+                self.finished.popitem(last=False)
+        logger.debug("sfi request %s: %s", req_id, st.to_dict())
+        if self.stats_file:
+            with open(self.stats_file, "a") as f:
+                f.write(json.dumps(st.to_dict()) + "\n")
+
+    def snapshot(self) -> dict[str, RequestStats]:
+        with self._lock:
+            return {**self.finished, **self.active}
