@@ -1,0 +1,59 @@
+import pytest
+
+from sfi_vllm.config import PRESETS, SFIConfigError, build_config, config_from_vllm, preset_values
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_and_validate(name):
+    cfg = build_config({"preset": name}, use_env=False)
+    for key, value in preset_values(name).items():
+        assert getattr(cfg, key) == value
+
+
+def test_override_beats_preset_and_file(tmp_path, monkeypatch):
+    f = tmp_path / "sfi.yaml"
+    f.write_text("preset: speed\nreuse_budget: 40\nsinks: 8\n")
+    monkeypatch.setenv("SFI_CONFIG", str(f))
+    cfg = build_config({"sinks": 2})
+    assert (cfg.preset, cfg.reuse_budget, cfg.sinks, cfg.selected_tokens) == ("speed", 40, 2, 1536)
+
+
+def test_fraction_budget_with_floor_and_cap():
+    cfg = build_config({"preset": "balanced", "selected_fraction": 0.1, "selected_floor": 100,
+                        "selected_cap": 500}, use_env=False)
+    assert cfg.selected_tokens is None
+    assert [cfg.selected_budget(n) for n in (500, 2000, 9000)] == [100, 200, 500]
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"sinks": -1}, "sfi.sinks"),
+        ({"recent_window": 0}, "1 <= value"),
+        ({"selected_fraction": 1.5}, "sfi.selected_fraction"),
+        ({"selected_tokens": 10, "selected_fraction": 0.2}, "not both"),
+        ({"min_gap": 100}, "min_gap (100) must be <= reuse_budget (64)"),
+        ({"selector": {"alpha": 0}}, "sfi.selector.alpha"),
+        ({"bogus": 1}, "sfi.bogus"),
+        ({"preset": "fast"}, "unknown preset"),
+        ({"selected_floor": 10, "selected_cap": 5, "selected_fraction": 0.1}, "selected_floor"),
+    ],
+)
+def test_bad_values_name_the_field(bad, needle):
+    with pytest.raises(SFIConfigError, match=None) as e:
+        build_config(bad, use_env=False)
+    assert needle in str(e.value)
+
+
+def test_from_vllm_additional_config():
+    class V:
+        additional_config = {"sfi": {"preset": "quality", "reuse_budget": 20}}
+
+    cfg = config_from_vllm(V())
+    assert cfg.selected_tokens == 4096 and cfg.reuse_budget == 20
+
+    class Bad:
+        additional_config = {"sfi": [1, 2]}
+
+    with pytest.raises(SFIConfigError, match="JSON object"):
+        config_from_vllm(Bad())

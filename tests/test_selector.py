@@ -1,0 +1,119 @@
+import math
+
+import pytest
+import torch
+
+from sfi_vllm.config import SelectorConfig
+from sfi_vllm.selector import Selector
+
+
+def _probs(hkv, r, n, rng):
+    return torch.softmax(torch.randn(hkv, r, n, generator=rng) * 3, -1)
+
+
+def test_evidence_is_power_mean_over_group(rng):
+    sel = Selector()
+    p = _probs(3, 3, 50, rng)
+    f = sel.evidence(p, 4, 40)
+    for h in range(3):
+        raw = [(sum(p[h, r, j].item() ** 0.5 for r in range(3)) / 3) ** 2 for j in range(4, 40)]
+        z = sum(raw)
+        assert torch.allclose(f[h], torch.tensor([x / z for x in raw]), atol=1e-6)
+
+
+def test_prior_formula(rng):
+    cfg = SelectorConfig()
+    sel = Selector(cfg)
+    norms = torch.rand(2, 30, generator=rng) * 5 + 0.1
+    log_r = sel.log_prior(norms)
+    for h in range(2):
+        vals = []
+        for j in range(30):
+            u = j / 29
+            lr = cfg.w_norm * (-cfg.gamma * math.log(norms[h, j].item()))
+            lr += cfg.w_pos * (-cfg.beta * u**cfg.pos_power + cfg.eta * math.log(max(1 - u, 1e-30)))
+            vals.append(lr)
+        ref = torch.log_softmax(torch.tensor(vals, dtype=torch.float64), 0)
+        assert torch.allclose(log_r[h].double(), ref, atol=1e-4)
+    assert log_r[:, -1].max() < log_r[:, 0].min() - 10  # the slot just before the window is damped
+
+
+def test_fusion_lambda_is_closed_form_minimiser(rng):
+    sel = Selector(SelectorConfig(lambda_max_single=1.0))
+    f = torch.softmax(torch.randn(4, 64, generator=rng) * 2, -1)
+    log_r = torch.log_softmax(torch.randn(4, 64, generator=rng), -1)
+    log_s, lam = sel.fuse(f, log_r, multi_row=False)
+    r = log_r.exp()
+    for h in range(4):
+        d = f[h] - r[h]
+        expect = (f[h] @ d / (d @ d)).clamp(0, 1)
+        assert abs(lam[h].item() - expect.item()) < 1e-5
+        s = (1 - lam[h]) * f[h] + lam[h] * r[h]
+        assert torch.allclose(log_s[h].exp(), s, atol=1e-6)
+
+
+def test_fusion_lambda_is_clipped(rng):
+    f = torch.softmax(torch.randn(3, 40, generator=rng), -1)
+    log_r = torch.log_softmax(torch.randn(3, 40, generator=rng) * 4, -1)
+    _, lam1 = Selector().fuse(f, log_r, multi_row=False)
+    _, lam2 = Selector().fuse(f, log_r, multi_row=True)
+    assert (lam1 <= 0.35 + 1e-7).all() and (lam1 >= 0).all()
+    assert (lam2 <= 0.25 + 1e-7).all()
+
+
+def test_soft_nms_brute_force(rng):
+    sel = Selector(SelectorConfig(nms_radius=3, nms_strength=0.7))
+    x = torch.randn(2, 25, generator=rng)
+    got = sel.soft_nms(x)
+    for h in range(2):
+        for j in range(25):
+            m = max(x[h, i].item() for i in range(max(0, j - 3), min(25, j + 4)))
+            assert abs(got[h, j].item() - (x[h, j].item() - 0.7 * (m - x[h, j].item()))) < 1e-5
+    # local peaks keep their score
+    peaks = (got == x)
+    assert peaks.any()
+
+
+def test_exclusivity_brute_force_and_skip(rng):
+    sel = Selector()
+    x = torch.randn(4, 10, generator=rng)
+    got = sel.exclusivity(x)
+    for j in range(10):
+        rho = torch.softmax(x[:, j] / 2.0, 0)
+        assert torch.allclose(got[:, j], x[:, j] + 0.85 * torch.log(rho), atol=1e-5)
+    two = torch.randn(2, 10, generator=rng)
+    assert torch.equal(sel.exclusivity(two), two)
+
+
+@pytest.mark.parametrize("use", [dict(), dict(use_prior=False), dict(use_nms=False), dict(use_exclusivity=False)])
+def test_select_is_topk_of_scores(use, rng):
+    sel = Selector(SelectorConfig(**use))
+    p = _probs(4, 2, 400, rng)
+    norms = torch.rand(4, 400 - 4 - 100, generator=rng) + 0.5
+    pos = sel.select(p, norms, 4, 300, 32)
+    assert pos.shape == (4, 32)
+    assert (pos[:, 1:] > pos[:, :-1]).all() and pos.min() >= 4 and pos.max() < 300
+    s = sel.scores(p, norms, 4, 300)
+    for h in range(4):
+        chosen = s[h, pos[h] - 4]
+        rest = torch.ones(296, dtype=torch.bool)
+        rest[pos[h] - 4] = False
+        assert chosen.min() >= s[h, rest].max()
+
+
+def test_select_all_when_budget_covers_candidates(rng):
+    p = _probs(3, 3, 50, rng)
+    pos = Selector().select(p, torch.ones(3, 30), 4, 34, 100)
+    assert torch.equal(pos, torch.arange(4, 34).expand(3, 30))
+    assert Selector().select(p, torch.ones(3, 0), 4, 4, 10).shape == (3, 0)
+
+
+def test_selector_prefers_attended_tokens(rng):
+    """With a flat prior the evidence decides: heavily attended positions are kept."""
+    p = torch.full((3, 3, 500), 1e-4)
+    hot = torch.tensor([50, 120, 333])
+    p[:, :, hot] = 0.3
+    p = p / p.sum(-1, keepdim=True)
+    pos = Selector().select(p, torch.ones(3, 400), 4, 404, 8)
+    for h in range(3):
+        assert set(hot.tolist()) <= set(pos[h].tolist())

@@ -1,0 +1,185 @@
+"""The per-layer SFI work (refresh + fast step) over a real paged cache, without vLLM's engine:
+batches mixing prefill, dense, slow and fast rows, padded rows, GQA, block sizes 16 and 128."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sfi_vllm.attention_ref import attention_probs
+from sfi_vllm.backends.common import SFILayer, make_step, subset_common_metadata
+from sfi_vllm.compact import selected_count, window_start
+from sfi_vllm.config import build_config
+from sfi_vllm.controller import SFIController, StepPlan
+from sfi_vllm.paged_kv import PagedKV
+from sfi_vllm.selector import Selector
+from sfi_vllm.trigger import StepMode
+from test_attention_ref import brute_force
+
+
+def fake_vllm_config(sfi: dict, max_num_seqs: int = 8):
+    sfi = {"boundary_token_ids": [7], **sfi}
+    return SimpleNamespace(
+        additional_config={"sfi": sfi},
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        model_config=SimpleNamespace(get_vocab_size=lambda: 16, skip_tokenizer_init=True),
+    )
+
+
+class FakeCAM(SimpleNamespace):
+    def replace(self, **kw):
+        return FakeCAM(**{**self.__dict__, **kw})
+
+
+def make_batch(layout, block_size, seq_lens, query_lens, hq=9, hkv=3, d=64, seed=0):
+    """A paged cache holding every row's context, plus the step's queries."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [(s + block_size - 1) // block_size for s in seq_lens]
+    nb = sum(blocks_per) + 3
+    if layout == "flash":
+        cache = torch.zeros(nb, block_size, hkv, 2 * d).permute(0, 2, 1, 3)
+        paged = PagedKV(cache, "flash", d)
+    else:
+        from sfi_vllm.paged_kv import transposed_key_order
+
+        cache = torch.zeros(nb, hkv, block_size, 2 * d)
+        paged = PagedKV(cache, "cpu", d, transposed_key_order(block_size, d))
+    perm = torch.randperm(nb, generator=g)
+    width = max(blocks_per)
+    bt = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    ks, vs = [], []
+    used = 0
+    for i, s in enumerate(seq_lens):
+        row = perm[used : used + blocks_per[i]]
+        used += blocks_per[i]
+        bt[i, : len(row)] = row
+        # keys with a few strongly attended positions, like real heads
+        k = torch.randn(s, hkv, d, generator=g)
+        v = torch.randn(s, hkv, d, generator=g)
+        pos = torch.arange(s)
+        paged.write(row[pos // block_size] * block_size + pos % block_size, k, v)
+        ks.append(k)
+        vs.append(v)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    cam = FakeCAM(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=bt, slot_mapping=torch.arange(int(qsl[-1])),
+        positions=None,
+    )
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g)
+    return paged, cam, q, ks, vs
+
+
+def plan_for(modes, slots=None, refresh_all=None):
+    n = len(modes)
+    return StepPlan(
+        num_reqs=n, req_ids=[f"r{i}" for i in range(n)], slots=slots or list(range(n)),
+        generations=[1] * n, modes=[int(m) for m in modes], reasons=[1 if m == StepMode.SLOW else 0 for m in modes],
+        refresh_all=refresh_all or [True] * n, slow_counts=[0] * n,
+    )
+
+
+def test_subset_common_metadata_picks_rows_and_tokens():
+    _, cam, _, _, _ = make_batch("flash", 16, [40, 70, 33, 90], [1, 5, 1, 3])
+    sub, tok = subset_common_metadata(cam, [1, 3])
+    assert tok.tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert sub.query_start_loc_cpu.tolist() == [0, 5, 8]
+    assert sub.seq_lens.tolist() == [70, 90] and sub.num_reqs == 2 and sub.num_actual_tokens == 8
+    assert torch.equal(sub.block_table_tensor, cam.block_table_tensor[[1, 3]])
+    assert sub.slot_mapping.tolist() == tok.tolist()
+
+
+def test_make_step_splits_rows_and_pads():
+    _, cam, _, _, _ = make_batch("flash", 16, [40, 70, 33, 90, 20], [1, 1, 1, 7, 1])
+    plan = plan_for([StepMode.FAST, StepMode.SLOW, StepMode.DENSE, StepMode.PREFILL])  # row 4: padding
+    built = []
+    step = make_step(plan, cam, lambda sub: built.append(sub) or "kernel-meta")
+    assert step.fast_rows == [0] and step.slow_rows == [1] and step.kernel_rows == [1, 2, 3, 4]
+    assert step.kernel_metadata == "kernel-meta" and built[0].num_reqs == 4
+    assert step.kernel_token_idx.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    all_fast = make_step(plan_for([StepMode.FAST] * 5), cam, lambda s: 1 / 0)
+    assert all_fast.kernel_metadata is None and all_fast.kernel_rows == []
+
+
+def _run_layer(sfi_cfg, layout, block_size, seq_lens, query_lens, modes):
+    ctl = SFIController(build_config({"boundary_token_ids": [7], **sfi_cfg}, use_env=False), fake_vllm_config(sfi_cfg))
+    layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    paged, cam, q, ks, vs = make_batch(layout, block_size, seq_lens, query_lens)
+    # slow step on every decode row first, then a fast step at the same context
+    slow = make_step(plan_for([StepMode.SLOW if m == StepMode.FAST else m for m in modes]), cam, lambda s: None)
+    layer.refresh(slow, paged, q, layer_idx=0)
+    fast = make_step(plan_for(modes), cam, lambda s: None)
+    out = torch.full_like(q, float("nan"))
+    layer.fast(fast, paged, q, out)
+    return ctl, layer, paged, cam, q, ks, vs, out
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_fast_step_equals_dense_when_budget_covers_context(layout, block_size):
+    """context <= sinks + K + window  =>  a fast step is dense attention."""
+    cfg = {"sinks": 4, "recent_window": 64, "selected_tokens": 200, "min_gap": 0}
+    seq_lens, qlens = [268, 150, 500, 90], [1, 1, 9, 1]
+    modes = [StepMode.FAST, StepMode.FAST, StepMode.PREFILL, StepMode.FAST]
+    *_, cam, q, ks, vs, out = _run_layer(cfg, layout, block_size, seq_lens, qlens, modes)
+    for row in (0, 1, 3):
+        t = int(cam.query_start_loc_cpu[row])
+        ref = brute_force(q[t], ks[row].permute(1, 0, 2), vs[row].permute(1, 0, 2), 0.125)
+        assert torch.allclose(out[t].double(), ref, atol=1e-5)
+    assert torch.isnan(out[2]).all()  # prefill rows are left to the dense kernel
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_fast_step_with_small_budget_attends_exactly_the_working_set(layout):
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0}
+    ctl, layer, paged, cam, q, ks, vs, out = _run_layer(
+        cfg, layout, 16, [700, 333], [1, 1], [StepMode.FAST, StepMode.FAST]
+    )
+    c = build_config(cfg, use_env=False)
+    sel = Selector(c.selector)
+    for row, ctx in enumerate([700, 333]):
+        t = int(cam.query_start_loc_cpu[row])
+        k_all, v_all = ks[row].permute(1, 0, 2), vs[row].permute(1, 0, 2)
+        ws = window_start(c, ctx)
+        kk = selected_count(c, ctx)
+        assert kk == 24 and ws == ((ctx - 32) // 16) * 16
+        probs = attention_probs(q[t], k_all, 0.125)
+        chosen = sel.select(probs, k_all[:, 4:ws].norm(dim=-1), 4, ws, kk)
+        entry = layer.buffer.get(row, 1)
+        assert torch.equal(entry.positions[:, 4:], chosen)
+        keep = [torch.cat([torch.arange(4), chosen[h], torch.arange(ws, ctx)]) for h in range(3)]
+        ref = brute_force(q[t], k_all, v_all, 0.125, keep)
+        assert torch.allclose(out[t].double(), ref, atol=1e-5)
+        dense = brute_force(q[t], k_all, v_all, 0.125)
+        assert not torch.allclose(out[t].double(), dense, atol=1e-3)
+    st = ctl.stats.get("r0")
+    assert st.fast_layer_evals == 1 and st.fast_attended_tokens == 4 + 24 + (700 - ((700 - 32) // 16) * 16)
+
+
+def test_fast_step_without_compact_set_is_an_error():
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0}
+    ctl = SFIController(build_config({"boundary_token_ids": [7], **cfg}, use_env=False), fake_vllm_config(cfg))
+    layer = SFILayer(ctl, 9, 3, 64, 0.125)
+    paged, cam, q, _, _ = make_batch("flash", 16, [300], [1])
+    with pytest.raises(RuntimeError, match="no compact set"):
+        layer.fast(make_step(plan_for([StepMode.FAST]), cam, lambda s: None), paged, q, torch.empty_like(q))
+
+
+def test_controller_plans_rows_and_recycles_slots():
+    cfg = {"reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7]}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=2))
+    import numpy as np
+
+    p = ctl.plan_step(["a", "b"], np.array([10, 1]), np.array([0, 50]), [10, 40], torch.tensor([1, 2]))
+    assert p.modes == [StepMode.PREFILL, StepMode.SLOW] and p.slots == [0, 1]
+    p = ctl.plan_step(["a", "b"], np.array([1, 1]), np.array([10, 51]), [10, 40], torch.tensor([3, 7]))
+    assert p.modes == [StepMode.SLOW, StepMode.FAST]
+    p = ctl.plan_step(["a", "b"], np.array([1, 1]), np.array([11, 52]), [10, 40], torch.tensor([3, 3]))
+    assert p.modes == [StepMode.FAST, StepMode.SLOW]  # boundary after token 7
+    ctl.on_scheduler_output(SimpleNamespace(finished_req_ids={"a"}, preempted_req_ids=None))
+    p = ctl.plan_step(["c"], np.array([5]), np.array([0]), [5], torch.tensor([1]))
+    assert p.slots == [0] and ctl.stats.finished["a"].slow_steps == 1
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        ctl.plan_step(["c", "b", "d"], np.array([1, 1, 1]), np.array([5, 53, 3]), [5, 40, 3], torch.tensor([1, 1, 1]))
