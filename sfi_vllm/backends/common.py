@@ -170,3 +170,93 @@ class SFILayer:
             output[t] = out.view_as(output[t]).to(output.dtype)
             attended = entry.num_tokens + (ctx - entry.window_start)
             self.controller.stats.record_fast_layer(plan.req_ids[row], attended, ctx)
+
+
+def unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
+                         decoder_type) -> list[str]:
+    problems = []
+    if alibi_slopes is not None:
+        problems.append("ALiBi")
+    if sliding_window is not None:
+        problems.append("sliding-window attention")
+    if logits_soft_cap:
+        problems.append("logits soft-capping")
+    if sinks is not None:
+        problems.append("learned attention sinks")
+    if attn_type != decoder_type:
+        problems.append(f"attention type {attn_type}")
+    return problems
+
+
+class SFIBuilderMixin:
+    """Mixed into a platform metadata builder: attach the step's SFI view to its metadata.
+
+    ``metadata_cls`` is the platform metadata dataclass extended with an ``sfi`` field.
+    """
+
+    metadata_cls: type
+
+    def _init_sfi(self, vllm_config) -> None:
+        from sfi_vllm.controller import get_controller
+
+        self.controller = get_controller(vllm_config)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        from dataclasses import fields
+
+        cam = common_attn_metadata
+        platform_build = super().build  # type: ignore[misc]
+        base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
+        meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
+        plan = self.controller.take_plan(cam.num_reqs)
+        if plan is not None:
+            meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))
+        return meta
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return False
+
+
+class SFIImplMixin:
+    """Mixed into a platform attention impl: dense kernel for kernel rows, SFI for the rest."""
+
+    _next_fallback_index = 0
+
+    def _init_sfi(self, vllm_config, num_heads, num_kv_heads, head_size) -> None:
+        from sfi_vllm.controller import get_controller
+
+        self.sfi = SFILayer(get_controller(vllm_config), num_heads, num_kv_heads, head_size,
+                            float(self.scale))
+        self._fallback_index = SFIImplMixin._next_fallback_index
+        SFIImplMixin._next_fallback_index += 1
+
+    def _paged(self, kv_cache: torch.Tensor) -> PagedKV:  # per platform
+        raise NotImplementedError
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        dense = super().forward  # type: ignore[misc]
+        step = getattr(attn_metadata, "sfi", None)
+        if step is None:  # profiling / warm-up / capture run: nothing planned, all rows dense
+            return dense(layer, query, key, value, kv_cache, attn_metadata, output,
+                         output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("sfi-vllm: fused output quantization is not supported")
+        if step.kernel_rows:
+            if step.kernel_token_idx is None:
+                dense(layer, query, key, value, kv_cache, attn_metadata, output)
+            else:
+                idx = step.kernel_token_idx.to(query.device)
+                sub_out = torch.empty((idx.numel(),) + tuple(output.shape[1:]),
+                                      dtype=output.dtype, device=output.device)
+                dense(layer, query[idx].contiguous(), key[idx].contiguous(),
+                      value[idx].contiguous(), kv_cache, step.kernel_metadata, sub_out)
+                output[idx] = sub_out
+        if step.slow_rows or step.fast_rows:
+            q = query.view(-1, self.num_heads, self.head_size)
+            out = output.view(-1, self.num_heads, self.head_size)
+            paged = self._paged(kv_cache)
+            li = layer_index(layer, self._fallback_index)
+            self.sfi.refresh(step, paged, q, li)
+            self.sfi.fast(step, paged, q, out)
+        return output

@@ -1,0 +1,109 @@
+"""SFIFlashBackend: SFI on vLLM 0.26's FlashAttention backend (CUDA, FA3 on Hopper).
+
+Prefill, dense and slow rows run FlashAttention on the kernel rows' metadata (FA's KV layout and
+prefill path are reused unchanged); the Selector, repacking and fast rows run the plain-torch
+reference on the GPU. This is the correctness path of issue 2: it declares no CUDA-graph support
+(vLLM then runs attention eagerly between piecewise graphs) and syncs the host once per step to
+plan it. The Triton fast path, second-stream selector and full CUDA graphs are issue 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+
+from sfi_vllm.backends.common import (
+    SFIBuilderMixin,
+    SFIImplMixin,
+    SFIStep,
+    unsupported_features,
+)
+from sfi_vllm.paged_kv import PagedKV
+from sfi_vllm.version import require_supported_vllm
+
+
+class SFIFlashBackend(FlashAttentionBackend):
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # Attention.__init__ looks the name up in AttentionBackendEnum: it must be "CUSTOM".
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["SFIFlashImpl"]:
+        return SFIFlashImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["SFIFlashMetadataBuilder"]:
+        return SFIFlashMetadataBuilder
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class SFIFlashMetadata(FlashAttentionMetadata):
+    sfi: SFIStep | None = None
+
+
+class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
+    metadata_cls = SFIFlashMetadata
+    # Attention runs eagerly (piecewise graphs around it) until the fast path is graph-safe.
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_sfi(vllm_config)
+
+
+class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None) -> None:
+        require_supported_vllm()
+        problems = unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks,
+                                        attn_type, AttentionType.DECODER)
+        if problems:
+            raise ValueError(f"sfi-vllm cannot serve this model: {', '.join(problems)} not supported")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self._init_sfi(get_current_vllm_config(), num_heads, num_kv_heads, head_size)
+
+    def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
+        return PagedKV(kv_cache, "flash", self.head_size)

