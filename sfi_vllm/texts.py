@@ -22,6 +22,7 @@ import os
 import random
 import re
 import tempfile
+import weakref
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -221,6 +222,30 @@ def _token_counter(tokenizer: Any) -> Callable[[list[str]], list[int]]:
     return count
 
 
+_cost_cache: "weakref.WeakKeyDictionary[Any, dict[int, list[list[int]]]]" = weakref.WeakKeyDictionary()
+
+
+def _unit_costs(tokenizer: Any, count: Callable[[list[str]], list[int]],
+                essays: list[list[tuple[str, str]]]) -> list[list[int]]:
+    """Token count of each unit *with* its separator (BPE merges leading spaces into words).
+
+    Memoized per tokenizer object and corpus (tokenizing the essays takes ~1 s)."""
+    key = hash(tuple(tuple(u) for u in essays))
+    try:
+        per_tok = _cost_cache.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable / hashable
+        per_tok = {}
+    if key not in per_tok:
+        flat = count([sep + s for units in essays for sep, s in units])
+        out, k = [], 0
+        for units in essays:
+            out.append(flat[k:k + len(units)])
+            k += len(units)
+        per_tok.clear()  # keep one corpus per tokenizer
+        per_tok[key] = out
+    return per_tok[key]
+
+
 def long_prompts(tokenizer: Any, n: int, target_tokens: int, seed: int = 0, *,
                  instruction: str | None = DEFAULT_INSTRUCTION,
                  texts: Sequence[str] | None = None,
@@ -249,9 +274,7 @@ def long_prompts(tokenizer: Any, n: int, target_tokens: int, seed: int = 0, *,
         raise ValueError("no text to build prompts from")
     essays = [essays[i] for i in keep]
     count = _token_counter(tokenizer)
-    # Token count of each unit *with* its separator (BPE merges leading spaces into words).
-    costs = [count([sep + s for sep, s in units]) for units in essays]
-    firsts = [count([s for _, s in units]) for units in essays]  # cost when a unit starts a doc
+    costs = _unit_costs(tokenizer, count, essays)
     total_units = sum(len(u) for u in essays)
     if n > total_units:
         raise ValueError(f"cannot make {n} distinct documents from {total_units} sentences")
@@ -288,7 +311,7 @@ def long_prompts(tokenizer: Any, n: int, target_tokens: int, seed: int = 0, *,
         e, s = e0, s0
         first = True
         while True:
-            c = firsts[e][s] if first else costs[e][s]
+            c = count([essays[e][s][1]])[0] if first else costs[e][s]
             if c > budget and not first:
                 break
             sep, sent = essays[e][s]

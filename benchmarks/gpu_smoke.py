@@ -1,0 +1,147 @@
+"""End-to-end smoke run of the CUDA backend on vLLM 0.26 (the device machine), printing figures.
+
+    python3 benchmarks/gpu_smoke.py --gguf /tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+
+1. converts the SmolLM2 GGUF to a safetensors directory (own process);
+2. runs the same prompts through vLLM with FLASH_ATTN (dense) and with SFI (full budget, and a
+   small budget under vLLM's default torch.compile + CUDA graphs), and compares the outputs;
+3. starts `vllm serve ... --attention-backend sfi` and sends one chat completion over HTTP.
+Everything it measures is printed and written to DIR/gpu-smoke.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+FULL = {"sinks": 4, "recent_window": 64, "selected_tokens": 8192, "reuse_budget": 16, "min_gap": 4}
+SMALL = {"sinks": 4, "recent_window": 64, "selected_tokens": 64, "reuse_budget": 16, "min_gap": 4}
+
+
+def convert(gguf: str, out: Path) -> None:
+    if (out / "model.safetensors").exists():
+        return
+    code = (
+        "import sys; from pathlib import Path; from sfi_vllm import model_prep as m\n"
+        "out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True)\n"
+        "m._convert(Path(sys.argv[1]), out, True, m._Reporter(True))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, gguf, str(out)], check=True)
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def serve_and_ask(model: str, port: int, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
+           "--attention-backend", "sfi", "--enforce-eager", "--max-model-len", "4096",
+           "--generation-config", "vllm", "--additional-config", json.dumps({"sfi": SMALL})]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 240:
+            if proc.poll() is not None:
+                return {"error": f"server exited {proc.returncode}", "log_tail": log.read_text()[-3000:]}
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except Exception:
+                time.sleep(2)
+        body = json.dumps({"model": model, "temperature": 0, "max_tokens": 40,
+                           "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
+                                     {"Content-Type": "application/json"})
+        t1 = time.time()
+        resp = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        return {"startup_s": round(t1 - t0, 1), "reply": resp["choices"][0]["message"]["content"],
+                "usage": resp.get("usage")}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    out = Path(args.out)
+    model = Path("/tmp/sfi-smol")
+    t = time.time()
+    convert(args.gguf, model)
+    report: dict = {"convert_s": round(time.time() - t, 1)}
+
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.texts import long_prompts
+
+    prompts = long_prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.prompt_tokens, seed=3)
+    base = dict(model=str(model), prompts=prompts, max_tokens=args.max_tokens)
+    eng = dict(max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    runs = {
+        "dense_eager": EngineJob(**base, engine_kwargs=eng),
+        "sfi_full_eager": EngineJob(**base, attention_backend="sfi", sfi=FULL, engine_kwargs=eng),
+        "sfi_small_graphs": EngineJob(**base, attention_backend="sfi", sfi=SMALL,
+                                      engine_kwargs={**eng, "enforce_eager": False}),
+    }
+    results = {}
+    for name, job in runs.items():
+        t = time.time()
+        try:
+            results[name] = run_engine_job(job, timeout=400)
+        except Exception as e:  # report and go on: the other runs still tell something
+            results[name] = {"error": str(e)[-3000:]}
+        print(f"[{name}] {time.time() - t:.0f} s", flush=True)
+    dense = results["dense_eager"]
+    for name, r in results.items():
+        if "error" in r:
+            report[name] = {"error": r["error"]}
+            print(f"{name}: FAILED\n{r['error']}")
+            continue
+        entry = {"load_s": round(r["load_s"], 1), "generate_s": round(r["generate_s"], 2)}
+        if name != "dense_eager" and "error" not in dense:
+            entry["agree_tokens"] = [agree(d["token_ids"], s["token_ids"])
+                                     for d, s in zip(dense["outputs"], r["outputs"])]
+            entry["out_tokens"] = [len(s["token_ids"]) for s in r["outputs"]]
+            st = list(r["sfi_stats"].values())
+            entry["fast_steps"] = sum(s["fast_steps"] for s in st)
+            entry["slow_steps"] = sum(s["slow_steps"] for s in st)
+            entry["slow_reasons"] = {k: sum(s["slow_reasons"].get(k, 0) for s in st)
+                                     for k in ("first_decode", "boundary", "reuse_budget")}
+            entry["attended_fraction"] = [s["attended_fraction"] for s in st]
+        entry["sample"] = r["outputs"][0]["text"][:300]
+        report[name] = entry
+        print(name, json.dumps(entry, indent=1), flush=True)
+    report["server"] = serve_and_ask(str(model), 8011, out / "server.log")
+    print("server", json.dumps(report["server"], indent=1), flush=True)
+    import torch
+    import vllm
+
+    report["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name()}
+    (out / "gpu-smoke.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""GPU checks (skipped without CUDA): the reference SFI layer on CUDA tensors, FlashAttention's
+paged layout, bf16 and fp16 caches, head sizes 64 and 128, against float64 brute force."""
+
+import pytest
+import torch
+
+from sfi_vllm.backends.common import SFILayer, make_step
+from sfi_vllm.compact import selected_count, window_start
+from sfi_vllm.config import build_config
+from sfi_vllm.controller import SFIController
+from sfi_vllm.paged_kv import PagedKV
+from sfi_vllm.trigger import StepMode
+from test_attention_ref import brute_force
+from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
+    cfg = {"sinks": 4, "recent_window": 64, "selected_tokens": 48, "min_gap": 0,
+           "boundary_token_ids": [7]}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg))
+    layer = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    seq_lens, qlens = [900, 300, 2000], [1, 1, 1]
+    paged_cpu, cam, q, ks, vs = make_batch("flash", 16, seq_lens, qlens, hq=hq, hkv=hkv, d=d)
+    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to("cuda", dtype).permute(0, 2, 1, 3)
+    paged = PagedKV(cache, "flash", d)
+    cam.block_table_tensor = cam.block_table_tensor.cuda()
+    qc = q.to("cuda", dtype)
+    modes = [StepMode.FAST] * 3
+    layer.refresh(make_step(plan_for([StepMode.SLOW] * 3), cam, lambda s: None), paged, qc, 0)
+    out = torch.zeros_like(qc)
+    layer.fast(make_step(plan_for(modes), cam, lambda s: None), paged, qc, out)
+    c = build_config(cfg, use_env=False)
+    for row, ctx in enumerate(seq_lens):
+        entry = layer.buffer.get(row, 1)
+        ws = window_start(c, ctx)
+        assert entry.num_tokens == 4 + selected_count(c, ctx) and entry.window_start == ws
+        keep = [torch.cat([entry.positions[h].cpu(), torch.arange(ws, ctx)]) for h in range(hkv)]
+        k = ks[row].permute(1, 0, 2).to(dtype).double()
+        v = vs[row].permute(1, 0, 2).to(dtype).double()
+        ref = brute_force(qc[row].double().cpu(), k, v, d ** -0.5, keep)
+        err = (out[row].double().cpu() - ref).norm() / ref.norm()
+        assert err < 1e-2, err
