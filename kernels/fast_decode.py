@@ -1,0 +1,183 @@
+"""Fast-step decode attention: one softmax over the compact buffer and the paged recent window.
+
+Reference: :func:`sfi_vllm.attention_ref.fast_step_attention` applied per row to
+``compact_k[slot, :, :compact_len]`` and the window ``[window_start, seq_len)`` read from vLLM's
+paged cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``).
+
+Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
+KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
+sequence ``compact ++ window``, keeps an online softmax, and writes a partial output and its
+log-sum-exp; a second kernel merges the splits exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fast_decode_split(
+    Q, CK, CV, KC, VC, BT, SLOT, NC, WS, SEQ, ACC, LSE,
+    stride_qb, stride_qh,
+    stride_cks, stride_ckh, stride_ckn,
+    stride_cvs, stride_cvh, stride_cvn,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    nc = tl.load(NC + b)
+    ws = tl.load(WS + b)
+    seq = tl.load(SEQ + b)
+    slot = tl.load(SLOT + b).to(tl.int64)
+    total = nc + seq - ws
+    per = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * per
+    hi = tl.minimum(lo + per, total)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < G
+    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2
+
+    # 1) the compact buffer: virtual keys [lo, min(hi, nc))
+    c_hi = tl.minimum(hi, nc)
+    ck_base = CK + slot * stride_cks + h * stride_ckh
+    cv_base = CV + slot * stride_cvs + h * stride_cvh
+    for start in range(lo, c_hi, BLOCK_N):
+        n = start + offs_n
+        nmask = n < c_hi
+        k = tl.load(ck_base + n[:, None] * stride_ckn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(cv_base + n[:, None] * stride_cvn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # 2) the recent window, read in place: virtual keys [max(lo, nc), hi) -> ws + (j - nc)
+    for start in range(tl.maximum(lo, nc), hi, BLOCK_N):
+        n = start + offs_n
+        nmask = n < hi
+        pos = ws + n - nc
+        blk = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        off = (pos % PAGE).to(tl.int64)
+        k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
+                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vt + h * stride_vh
+                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    heads = h * G + offs_g
+    tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
+             mask=gmask[:, None])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_splits(ACC, LSE, OUT, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                  stride_ob, stride_oh, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  S_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < NUM_SPLITS
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    w = tl.where(smask, w, 0.0)
+    acc = tl.load(ACC + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+                  mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs: int = 528) -> int:
+    """Enough splits to fill the GPU, but no split shorter than 256 keys."""
+    want = triton.cdiv(target_programs, max(1, rows * kv_heads))
+    return int(max(1, min(want, triton.cdiv(max_keys, 256), 64)))
+
+
+def fast_decode_attention(
+    q: torch.Tensor,  # (B, Hq, D)
+    compact_k: torch.Tensor,  # (slots, Hkv, C, D)
+    compact_v: torch.Tensor,
+    key_cache: torch.Tensor,  # (num_blocks, page, Hkv, D) view, last dim contiguous
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # (B, max_blocks) int32
+    slots: torch.Tensor,  # (B,) int32: compact-buffer slot of each row
+    compact_len: torch.Tensor,  # (B,) int32: sinks + selected tokens in the slot
+    window_start: torch.Tensor,  # (B,) int32
+    seq_lens: torch.Tensor,  # (B,) int32: tokens in the cache including this step's
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
+    :func:`make_workspace`) and every launch reads only device tensors."""
+    B, Hq, D = q.shape
+    Hkv = compact_k.shape[1]
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    acc, lse = workspace if workspace is not None else make_workspace(B, Hq, D, num_splits, q.device)
+    for t in (q, compact_k, compact_v, key_cache, value_cache):
+        assert t.stride(-1) == 1
+    _fast_decode_split[(B, Hkv, num_splits)](
+        q, compact_k, compact_v, key_cache, value_cache, block_table, slots, compact_len,
+        window_start, seq_lens, acc, lse,
+        q.stride(0), q.stride(1),
+        compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
+        compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
+        PAGE=key_cache.shape[1], NUM_SPLITS=num_splits,
+    )
+    _merge_splits[(B, Hq)](
+        acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), D=D, NUM_SPLITS=num_splits,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
+
+
+def make_workspace(rows: int, q_heads: int, head_size: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = torch.empty(rows, q_heads, num_splits, head_size, dtype=torch.float32, device=device)
+    lse = torch.empty(rows, q_heads, num_splits, dtype=torch.float32, device=device)
+    return acc, lse

@@ -1,0 +1,1 @@
+"""Offline long-context quality suite (issue 4)."""
