@@ -143,6 +143,9 @@ def fast_decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
     :func:`make_workspace`) and every launch reads only device tensors."""
@@ -166,8 +169,8 @@ def fast_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         lse.stride(0), lse.stride(1),
         scale,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
-        PAGE=key_cache.shape[1], NUM_SPLITS=num_splits,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
+        PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),

@@ -253,14 +253,24 @@ def _quiet_transformers(progress: bool) -> Iterator[None]:
 
     old_verbosity = hf_logging.get_verbosity()
     old_bars = hf_logging.is_progress_bar_enabled()
+    # The GGUF dequantization bar is a raw tqdm that ignores disable_progress_bar().
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None:
+        with contextlib.suppress(Exception):
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils  # noqa: F811
+    old_tqdm = getattr(gguf_utils, "tqdm", None)
     try:
         hf_logging.set_verbosity_error()
         if not progress:
             hf_logging.disable_progress_bar()
+            if old_tqdm is not None:
+                gguf_utils.tqdm = lambda it, *a, **k: it
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        if old_tqdm is not None:
+            gguf_utils.tqdm = old_tqdm
         hf_logging.set_verbosity(old_verbosity)
         if old_bars:
             hf_logging.enable_progress_bar()
@@ -522,11 +532,11 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
             (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _fix_permissions(out)
 
-            # Atomic publish: rename the finished dir into place (swap out any old/partial one).
-            old = None
+            # Publish by rename (same filesystem): readers never see a half-written model dir.
+            # An old/partial dir is first moved into `work` (deleted below); POSIX can't rename a
+            # directory onto a non-empty one.
             if target.exists() or target.is_symlink():
-                old = work / "old"
-                os.replace(target, old)
+                os.replace(target, work / "old")
             os.replace(out, target)
             say(f"model ready at {target}")
         finally:

