@@ -30,7 +30,7 @@ def window_start(cfg: SFIConfig, context_len: int) -> int:
     return max(sinks, (raw // cfg.window_align) * cfg.window_align)
 
 
-def selected_count(cfg: SFIConfig, context_len: int) -> int:
+def selected_count(cfg: SFIConfig, context_len: int) -> int:  # noqa: D401
     """K actually selected at a slow step: the budget, clipped to the number of candidates."""
     candidates = window_start(cfg, context_len) - min(cfg.sinks, context_len)
     return max(0, min(cfg.selected_budget(context_len), candidates))

@@ -49,6 +49,9 @@ class SelectorConfig(BaseModel):
     use_exclusivity: bool = Field(True, description="cross-head exclusivity (needs > 2 KV heads)")
     exclusivity_temperature: float = Field(2.0, gt=0.0, le=100.0, description="T")
     exclusivity_strength: float = Field(0.85, ge=0.0, le=10.0, description="c")
+    smooth_kernel: int = Field(
+        0, ge=0, le=257, description="average-pool the evidence over this many positions (SnapKV-style; 0: off)"
+    )
 
 
 class SFIConfig(BaseModel):
@@ -57,7 +60,12 @@ class SFIConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     preset: Literal["quality", "balanced", "speed"] | None = None
-    policy: Literal["sfi"] = Field("sfi", description="attention policy (only 'sfi' today)")
+    policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
+        "sfi",
+        description="sfi; or a baseline in the same backend: dense, streaming (sinks + sliding "
+        "window), snapkv (select once at the first decode step, never refresh), quest (per-step "
+        "page selection from per-page key min/max)",
+    )
 
     # Working set of a fast step.
     sinks: int = Field(4, ge=0, le=4096, description="first tokens always kept")
@@ -65,6 +73,12 @@ class SFIConfig(BaseModel):
     window_align: int = Field(
         16, ge=1, le=4096, description="the window's start is aligned down to this many tokens"
     )
+    window_mode: Literal["grow", "slide"] = Field(
+        "grow",
+        description="grow: the window starts where it did at the last slow step and takes in new "
+        "tokens; slide: it is the last recent_window tokens at every step",
+    )
+    quest_page: int = Field(16, ge=1, le=4096, description="page size of the quest policy")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -122,8 +136,19 @@ class SFIConfig(BaseModel):
             )
         return self
 
+    @property
+    def refreshes_selection(self) -> bool:
+        """Slow steps after the first: only SFI re-selects (snapkv selects once, streaming never)."""
+        return self.policy == "sfi"
+
+    @property
+    def slides_window(self) -> bool:
+        return self.window_mode == "slide" or self.policy == "streaming"
+
     def selected_budget(self, context_len: int) -> int:
         """K for a context of ``context_len`` tokens (before clipping to the candidates)."""
+        if self.policy == "streaming":
+            return 0
         if self.selected_fraction is None:
             assert self.selected_tokens is not None
             return self.selected_tokens

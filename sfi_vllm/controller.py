@@ -10,6 +10,7 @@ One controller per worker process (vLLM builds one model per worker).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from sfi_vllm.compact import CompactBuffer
-from sfi_vllm.config import SFIConfig, config_from_vllm
+from sfi_vllm.config import SFIConfig, SFIConfigError, build_config, config_from_vllm
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
     BoundaryTokens,
@@ -50,6 +51,7 @@ class StepPlan:
     reasons: list[int]  # SlowReason
     refresh_all: list[bool]  # a slow step that must refresh every layer
     slow_counts: list[int]  # slow steps so far (selects the half of layers an interleaved step refreshes)
+    configs: list[SFIConfig]  # each row's SFI config (the engine's, or its request's own)
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
@@ -64,6 +66,8 @@ class SFIController:
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.generation = [0] * self.num_slots
         self.slow_count = [0] * self.num_slots
+        self.slot_cfg = [cfg] * self.num_slots
+        self._request_cfgs: dict[str, SFIConfig] = {}
         self.stats = StatsRegistry(cfg.stats_file)
         self.buffers: list[CompactBuffer] = []
         self.current_plan: StepPlan | None = None
@@ -109,15 +113,42 @@ class SFIController:
         self.buffers.append(buf)
 
     # -- request lifecycle ----------------------------------------------------------------------
-    def _slot(self, req_id: str) -> int:
+    def request_config(self, overrides: dict | None) -> SFIConfig:
+        """The engine's config with a request's own ``sfi`` overrides (``SamplingParams.extra_args``)."""
+        if not overrides:
+            return self.cfg
+        key = json.dumps(overrides, sort_keys=True)
+        cfg = self._request_cfgs.get(key)
+        if cfg is None:
+            base = self.cfg.model_dump(exclude_defaults=True)
+            merged = {**base, **overrides}
+            if "selector" in overrides and "selector" in base:
+                merged["selector"] = {**base["selector"], **overrides["selector"]}
+            if overrides.get("selected_fraction") is not None and "selected_tokens" not in overrides:
+                merged.pop("selected_tokens", None)
+            cfg = self._request_cfgs[key] = build_config(merged, use_env=False)
+        return cfg
+
+    def _slot(self, req_id: str, overrides: dict | None = None) -> int:
         slot = self.slot_of.get(req_id)
         if slot is None:
             if not self.free_slots:
                 raise RuntimeError(
                     f"sfi-vllm: more than max_num_seqs={self.num_slots} requests in flight"
                 )
+            try:
+                cfg = self.request_config(overrides)
+            except SFIConfigError as e:
+                # A worker must not die for one request's settings: run it densely, say so loudly,
+                # and record it in the request's statistics.
+                logger.error("sfi-vllm: request %s: %s; it runs with dense attention", req_id, e)
+                cfg = self.request_config({"policy": "dense"})
+                self.stats.get(req_id).config_error = str(e)
             slot = self.free_slots.pop()
             self.slot_of[req_id] = slot
+            self.slot_cfg[slot] = cfg
+            self.trigger.configure(slot, cfg)
+            self.stats.get(req_id).policy = cfg.policy
             self._reset(slot)
         return slot
 
@@ -132,6 +163,7 @@ class SFIController:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self._reset(slot)
+            self.slot_cfg[slot] = self.cfg
             self.free_slots.append(slot)
         self.stats.finish(req_id, preempted=preempted)
 
@@ -150,6 +182,7 @@ class SFIController:
         num_computed: np.ndarray,
         prompt_lens: list[int],
         first_input_tokens: torch.Tensor,
+        request_overrides: list[dict | None] | None = None,
     ) -> StepPlan:
         """Classify each row, run the trigger for decode rows and record statistics.
 
@@ -157,7 +190,8 @@ class SFIController:
         sampled last step).
         """
         n = len(req_ids)
-        slots = [self._slot(r) for r in req_ids]
+        overrides = request_overrides or [None] * n
+        slots = [self._slot(r, o) for r, o in zip(req_ids, overrides)]
         modes = [int(StepMode.PREFILL)] * n
         reasons = [int(SlowReason.NONE)] * n
         context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
@@ -193,6 +227,7 @@ class SFIController:
             reasons=reasons,
             refresh_all=refresh_all,
             slow_counts=slow_counts,
+            configs=[self.slot_cfg[s] for s in slots],
         )
         self.current_plan = plan
         self.planned_steps += 1

@@ -100,6 +100,10 @@ class Selector:
     ) -> torch.Tensor:
         """Final per-candidate scores ``(Hkv, hi - lo)``; higher is kept first."""
         f = self.evidence(probs, lo, hi)
+        if self.cfg.smooth_kernel > 1:
+            k = self.cfg.smooth_kernel
+            f = F.avg_pool1d(f[:, None, :], kernel_size=k, stride=1, padding=k // 2,
+                             count_include_pad=False)[:, 0, : f.shape[-1]]
         if self.cfg.use_prior:
             log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=num_query_rows > 1)
         else:

@@ -37,6 +37,8 @@ class RequestStats:
     fast_context_tokens: int = 0
     fast_layer_evals: int = 0
     preemptions: int = 0
+    policy: str = "sfi"
+    config_error: str | None = None
 
     @property
     def decode_steps(self) -> int:

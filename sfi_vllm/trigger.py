@@ -85,6 +85,8 @@ def boundary_tokens_from_tokenizer(tokenizer, newline_is_boundary: bool = True) 
 
 
 class SlowStepTrigger:
+    """Per-slot trigger state and per-slot settings (requests may carry their own SFI config)."""
+
     def __init__(
         self,
         cfg: SFIConfig,
@@ -93,13 +95,8 @@ class SlowStepTrigger:
         boundary: BoundaryTokens | None,
         device: torch.device | str = "cpu",
     ) -> None:
-        if cfg.boundary_trigger and boundary is None:
-            raise ValueError(
-                "sfi-vllm: the boundary trigger needs sentence-ender token ids: serve with a "
-                "tokenizer, set sfi.boundary_token_ids, or set sfi.boundary_trigger=false"
-            )
-        self.cfg = cfg
         self.device = torch.device(device)
+        self.has_boundary = boundary is not None
         self.ender = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         self.skip = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         if boundary is not None:
@@ -107,9 +104,36 @@ class SlowStepTrigger:
                 valid = [i for i in ids if 0 <= i < vocab_size]
                 if valid:
                     mask[torch.tensor(valid, device=self.device)] = True
-        self.fast_since_slow = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
-        self.pending = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
-        self.initialized = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        z = dict(device=self.device)
+        self.fast_since_slow = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.pending = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.initialized = torch.zeros(num_slots, dtype=torch.bool, **z)
+        # per-slot settings
+        self.reuse_budget = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.min_gap = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.boundary_on = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.at_ender = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.dense_below = torch.zeros(num_slots, dtype=torch.int64, **z)
+        self.never_slow = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.default_cfg = cfg
+        for slot in range(num_slots):
+            self.configure(slot, cfg)
+
+    def configure(self, slot: int, cfg: SFIConfig) -> None:
+        """Apply ``cfg``'s trigger settings and policy to one slot."""
+        if cfg.boundary_trigger and cfg.refreshes_selection and not self.has_boundary:
+            raise ValueError(
+                "sfi-vllm: the boundary trigger needs sentence-ender token ids: serve with a "
+                "tokenizer, set sfi.boundary_token_ids, or set sfi.boundary_trigger=false"
+            )
+        refresh = cfg.refreshes_selection
+        self.reuse_budget[slot] = cfg.reuse_budget if refresh else torch.iinfo(torch.int32).max
+        self.min_gap[slot] = cfg.min_gap
+        self.boundary_on[slot] = cfg.boundary_trigger and refresh
+        self.at_ender[slot] = cfg.boundary_fire == "at_ender"
+        # dense: every step dense; quest: every step selects its own pages (no slow steps)
+        self.dense_below[slot] = (1 << 62) if cfg.policy == "dense" else cfg.dense_below_context
+        self.never_slow[slot] = cfg.policy == "quest"
 
     def reset(self, slots: torch.Tensor) -> None:
         """A request started, was preempted or finished: its next decode step is a first step."""
@@ -127,7 +151,6 @@ class SlowStepTrigger:
         ``context_lens``: tokens in the KV cache including this step's. Returns ``(mode, reason)``
         as int8 tensors of :class:`StepMode` and :class:`SlowReason` values.
         """
-        cfg = self.cfg
         slots = slots.to(self.device, torch.long)
         tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
         context_lens = context_lens.to(self.device)
@@ -136,20 +159,16 @@ class SlowStepTrigger:
         pending = self.pending[slots]
         is_ender = self.ender[tokens]
         is_skip = self.skip[tokens]
-        if cfg.boundary_fire == "next_token":
-            boundary = pending & ~is_skip
-            new_pending = is_ender | (pending & is_skip)
-        else:
-            boundary = is_ender
-            new_pending = torch.zeros_like(pending)
-        if not cfg.boundary_trigger:
-            boundary = torch.zeros_like(boundary)
+        at_ender = self.at_ender[slots]
+        boundary = torch.where(at_ender, is_ender, pending & ~is_skip)
+        new_pending = ~at_ender & (is_ender | (pending & is_skip))
+        boundary = boundary & self.boundary_on[slots]
 
-        dense = context_lens < cfg.dense_below_context
+        dense = context_lens < self.dense_below[slots]
         first = ~self.initialized[slots]
-        reuse = fast_since >= cfg.reuse_budget
-        bound = boundary & (fast_since >= cfg.min_gap)
-        slow = ~dense & (first | reuse | bound)
+        reuse = fast_since >= self.reuse_budget[slots]
+        bound = boundary & (fast_since >= self.min_gap[slots])
+        slow = ~dense & (first | reuse | bound) & ~self.never_slow[slots]
 
         reason = torch.full_like(slots, int(SlowReason.NONE))
         reason = torch.where(slow & bound, int(SlowReason.BOUNDARY), reason)

@@ -30,9 +30,9 @@ def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
     cam.block_table_tensor = cam.block_table_tensor.cuda()
     qc = q.to("cuda", dtype)
     modes = [StepMode.FAST] * 3
-    layer.refresh(make_step(plan_for([StepMode.SLOW] * 3), cam, lambda s: None), paged, qc, 0)
+    layer.refresh(make_step(plan_for([StepMode.SLOW] * 3, cfg=ctl.cfg), cam, lambda s: None), paged, qc, 0)
     out = torch.zeros_like(qc)
-    layer.fast(make_step(plan_for(modes), cam, lambda s: None), paged, qc, out)
+    layer.fast(make_step(plan_for(modes, cfg=ctl.cfg), cam, lambda s: None), paged, qc, out)
     c = build_config(cfg, use_env=False)
     for row, ctx in enumerate(seq_lens):
         entry = layer.buffer.get(row, 1)

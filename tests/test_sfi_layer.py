@@ -72,12 +72,13 @@ def make_batch(layout, block_size, seq_lens, query_lens, hq=9, hkv=3, d=64, seed
     return paged, cam, q, ks, vs
 
 
-def plan_for(modes, slots=None, refresh_all=None):
+def plan_for(modes, slots=None, refresh_all=None, cfg=None):
     n = len(modes)
+    cfg = cfg or build_config({"boundary_token_ids": [7]}, use_env=False)
     return StepPlan(
         num_reqs=n, req_ids=[f"r{i}" for i in range(n)], slots=slots or list(range(n)),
         generations=[1] * n, modes=[int(m) for m in modes], reasons=[1 if m == StepMode.SLOW else 0 for m in modes],
-        refresh_all=refresh_all or [True] * n, slow_counts=[0] * n,
+        refresh_all=refresh_all or [True] * n, slow_counts=[0] * n, configs=[cfg] * n,
     )
 
 
@@ -108,9 +109,9 @@ def _run_layer(sfi_cfg, layout, block_size, seq_lens, query_lens, modes):
     layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
     paged, cam, q, ks, vs = make_batch(layout, block_size, seq_lens, query_lens)
     # slow step on every decode row first, then a fast step at the same context
-    slow = make_step(plan_for([StepMode.SLOW if m == StepMode.FAST else m for m in modes]), cam, lambda s: None)
+    slow = make_step(plan_for([StepMode.SLOW if m == StepMode.FAST else m for m in modes], cfg=ctl.cfg), cam, lambda s: None)
     layer.refresh(slow, paged, q, layer_idx=0)
-    fast = make_step(plan_for(modes), cam, lambda s: None)
+    fast = make_step(plan_for(modes, cfg=ctl.cfg), cam, lambda s: None)
     out = torch.full_like(q, float("nan"))
     layer.fast(fast, paged, q, out)
     return ctl, layer, paged, cam, q, ks, vs, out
@@ -164,7 +165,7 @@ def test_fast_step_without_compact_set_is_an_error():
     layer = SFILayer(ctl, 9, 3, 64, 0.125)
     paged, cam, q, _, _ = make_batch("flash", 16, [300], [1])
     with pytest.raises(RuntimeError, match="no compact set"):
-        layer.fast(make_step(plan_for([StepMode.FAST]), cam, lambda s: None), paged, q, torch.empty_like(q))
+        layer.fast(make_step(plan_for([StepMode.FAST], cfg=ctl.cfg), cam, lambda s: None), paged, q, torch.empty_like(q))
 
 
 def test_controller_plans_rows_and_recycles_slots():

@@ -114,62 +114,104 @@ def layer_index(layer: Any, fallback: int) -> int:
 
 
 class SFILayer:
-    """The SFI state and work of one attention layer (held by the backend's impl)."""
+    """The SFI state and work of one attention layer (held by the backend's impl).
+
+    Each row follows its own config (``plan.configs``): the engine's, or its request's overrides.
+    """
 
     def __init__(self, controller: SFIController, num_heads: int, num_kv_heads: int,
                  head_size: int, scale: float) -> None:
         self.controller = controller
-        self.cfg = controller.cfg
-        self.selector = Selector(self.cfg.selector)
         self.buffer = CompactBuffer()
         controller.register_buffer(self.buffer)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
+        self._selectors: dict = {}
 
-    def refreshes(self, plan: StepPlan, row: int, layer_idx: int) -> bool:
-        if plan.refresh_all[row] or not self.cfg.layer_interleaved_refresh:
+    def selector(self, cfg) -> Selector:
+        sel = self._selectors.get(cfg.selector)
+        if sel is None:
+            sel = self._selectors[cfg.selector] = Selector(cfg.selector)
+        return sel
+
+    @staticmethod
+    def refreshes(plan: StepPlan, row: int, layer_idx: int) -> bool:
+        if plan.refresh_all[row] or not plan.configs[row].layer_interleaved_refresh:
             return True
         return (layer_idx + plan.slow_counts[row]) % 2 == 0
 
     def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
-        plan, cfg = step.plan, self.cfg
+        plan = step.plan
         for row in step.slow_rows:
             if not self.refreshes(plan, row, layer_idx):
                 continue
+            cfg = plan.configs[row]
             ctx = step.seq_lens[row]
             bt = step.block_table[row]
             ws = window_start(cfg, ctx)
             sinks = min(cfg.sinks, ctx)
             k = selected_count(cfg, ctx)
-            if k < ws - sinks:
+            if 0 < k < ws - sinks:
                 keys, _ = paged.gather_range(bt, 0, ctx, want_values=False)
                 q = query[step.row_token[row]].view(self.num_heads, self.head_size)
                 probs = attention_probs(q, keys, self.scale)
                 norms = keys[:, sinks:ws].float().norm(dim=-1)
-                selected = self.selector.select(probs, norms, sinks, ws, k, num_query_rows=1)
-            else:  # every candidate fits: no need to score
-                selected = torch.arange(sinks, ws, device=bt.device).expand(self.num_kv_heads, -1)
+                selected = self.selector(cfg).select(probs, norms, sinks, ws, k, num_query_rows=1)
+            else:  # nothing to select, or every candidate fits: no need to score
+                selected = torch.arange(sinks, sinks + k, device=bt.device).expand(self.num_kv_heads, -1)
             self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
 
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
         plan = step.plan
         for row in step.fast_rows:
-            entry = self.buffer.get(plan.slots[row], plan.generations[row])
-            if entry is None:
-                raise RuntimeError(
-                    f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
-                    "(a slow step must come first); this is a bug"
-                )
+            cfg = plan.configs[row]
             ctx = step.seq_lens[row]
-            wk, wv = paged.gather_range(step.block_table[row], entry.window_start, ctx)
+            bt = step.block_table[row]
             t = step.row_token[row]
             q = query[t].view(self.num_heads, self.head_size)
-            out = fast_step_attention(q, entry.keys, entry.values, wk, wv, self.scale)
+            if cfg.policy == "quest":
+                ck, cv, ws = self._quest_set(q, paged, bt, ctx, cfg)
+            else:
+                entry = self.buffer.get(plan.slots[row], plan.generations[row])
+                if entry is None:
+                    raise RuntimeError(
+                        f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
+                        "(a slow step must come first); this is a bug"
+                    )
+                ck, cv = entry.keys, entry.values
+                ws = max(entry.window_start, window_start(cfg, ctx)) if cfg.slides_window else entry.window_start
+            wk, wv = paged.gather_range(bt, ws, ctx)
+            out = fast_step_attention(q, ck, cv, wk, wv, self.scale)
             output[t] = out.view_as(output[t]).to(output.dtype)
-            attended = entry.num_tokens + (ctx - entry.window_start)
-            self.controller.stats.record_fast_layer(plan.req_ids[row], attended, ctx)
+            self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
+
+    def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
+        """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
+        highest (per KV head, the max over its query heads), within ``K`` tokens."""
+        ws = window_start(cfg, ctx)
+        sinks = min(cfg.sinks, ctx)
+        page = cfg.quest_page
+        n_pages = (ws - sinks) // page  # whole pages between the sinks and the window
+        budget_pages = min(n_pages, cfg.selected_budget(ctx) // page)
+        lo = ws - n_pages * page  # pages end at the window; any remainder joins the window's left
+        ws = lo if n_pages == budget_pages else ws
+        pos = torch.arange(sinks, device=bt.device)
+        if 0 < budget_pages < n_pages:
+            keys, _ = paged.gather_range(bt, lo, ws, want_values=False)
+            kp = keys.float().view(self.num_kv_heads, n_pages, page, self.head_size)
+            kmin, kmax = kp.amin(dim=2), kp.amax(dim=2)  # (Hkv, P, D)
+            qg = q.float().view(self.num_kv_heads, -1, self.head_size)  # (Hkv, G, D)
+            bound = torch.maximum(qg[:, :, None, :] * kmin[:, None], qg[:, :, None, :] * kmax[:, None])
+            score = bound.sum(-1).amax(dim=1)  # (Hkv, P)
+            top = torch.topk(score, budget_pages, dim=-1).indices.sort(dim=-1).values
+            tok = (lo + top[..., None] * page + torch.arange(page, device=bt.device)).flatten(1)
+            positions = torch.cat([pos.expand(self.num_kv_heads, -1), tok], dim=1)
+        else:
+            positions = pos.expand(self.num_kv_heads, -1)
+        ck, cv = paged.gather(bt, positions)
+        return ck, cv, ws
 
 
 def unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,

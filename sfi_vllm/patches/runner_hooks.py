@@ -42,7 +42,12 @@ def _runner_step_inputs(runner, num_scheduled_tokens):
     total = int(sum(int(x) for x in num_scheduled_tokens[:num_reqs]))
     input_ids = runner.input_ids.gpu[:total]
     first_tokens = input_ids[starts.to(input_ids.device)]
-    return req_ids, num_computed, prompt_lens, first_tokens
+    overrides = []  # a request's own SFI settings: SamplingParams(extra_args={"sfi": {...}})
+    for r in req_ids:
+        params = getattr(runner.requests[r], "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        overrides.append(extra.get("sfi") if isinstance(extra, dict) else None)
+    return req_ids, num_computed, prompt_lens, first_tokens, overrides
 
 
 def install() -> None:
@@ -67,10 +72,11 @@ def install() -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         ctl = current_controller()
         if ctl is not None:
-            req_ids, num_computed, prompt_lens, first_tokens = _runner_step_inputs(
+            req_ids, num_computed, prompt_lens, first_tokens, overrides = _runner_step_inputs(
                 self, num_scheduled_tokens
             )
-            ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens)
+            ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens,
+                          overrides)
         return out
 
     @functools.wraps(orig_execute)
