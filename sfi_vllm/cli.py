@@ -45,6 +45,26 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from sfi_vllm.quality.report import write_report
+    from sfi_vllm.quality.runner import run_eval
+
+    run_eval(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
+             contexts=[int(x) for x in args.contexts.split(",")],
+             tasks=args.tasks.split(",") if args.tasks else None, n=args.samples, seed=args.seed,
+             out=args.out, raw_out=args.raw)
+    if args.report:
+        write_report(args.out, args.report, args.title, " ".join(sys.argv))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from sfi_vllm.quality.report import write_report
+
+    write_report(args.jsonl, args.prefix, args.title, args.command)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sfi-vllm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the full results here")
     demo.add_argument("--cache-dir", default=None)
     demo.set_defaults(func=_cmd_demo)
+
+    from sfi_vllm.policies import POLICIES
+
+    ev = sub.add_parser("eval", help="the offline long-context suite through vLLM, per policy and budget")
+    ev.add_argument("--policies", default=",".join(POLICIES))
+    ev.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
+    ev.add_argument("--contexts", default="2048", help="context sizes in tokens, comma-separated")
+    ev.add_argument("--tasks", default=None, help="default: all tasks")
+    ev.add_argument("--samples", type=int, default=2, help="samples per task and context")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", default="quality.jsonl")
+    ev.add_argument("--raw", default=None, help="also write every request's output here")
+    ev.add_argument("--report", default=None, help="prefix for the markdown table and plot")
+    ev.add_argument("--title", default="sfi-vllm quality suite")
+    ev.set_defaults(func=_cmd_eval)
+
+    rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")
+    rep.add_argument("jsonl")
+    rep.add_argument("prefix", help="writes PREFIX.md and PREFIX.png")
+    rep.add_argument("--title", default="sfi-vllm quality suite")
+    rep.add_argument("--command", default=None, help="the command that produced the results")
+    rep.set_defaults(func=_cmd_report)
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
     cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")

@@ -31,6 +31,11 @@ class EngineJob:
     sfi: dict[str, Any] | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     use_chat_template: bool = True
+    # Alternatively, requests with their own settings: {"prompt": str, "max_tokens": int,
+    # "sfi": per-request SFI overrides or None, "phase": int}. Phases run one after another (a later
+    # phase can reuse an earlier one's prefix-cached prompts); results keep the requests' order.
+    requests: list[dict[str, Any]] | None = None
+    progress: bool = False  # vLLM's own progress bar (stderr)
 
 
 def _run(job: EngineJob) -> dict[str, Any]:
@@ -48,7 +53,18 @@ def _run(job: EngineJob) -> dict[str, Any]:
     t_load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
-    if job.prompt_token_ids is not None:
+    if job.requests is not None:
+        outs = [None] * len(job.requests)
+        for phase in sorted({r.get("phase", 0) for r in job.requests}):
+            idx = [i for i, r in enumerate(job.requests) if r.get("phase", 0) == phase]
+            msgs = [[{"role": "user", "content": job.requests[i]["prompt"]}] for i in idx]
+            sps = [SamplingParams(max_tokens=job.requests[i].get("max_tokens", job.max_tokens),
+                                  temperature=0.0,
+                                  extra_args={"sfi": job.requests[i]["sfi"]} if job.requests[i].get("sfi") else None)
+                   for i in idx]
+            for i, o in zip(idx, llm.chat(msgs, sps, use_tqdm=job.progress)):
+                outs[i] = o
+    elif job.prompt_token_ids is not None:
         outs = llm.generate([{"prompt_token_ids": p} for p in job.prompt_token_ids], params)
     elif job.use_chat_template:
         outs = llm.chat([[{"role": "user", "content": p}] for p in job.prompts or []], params)
