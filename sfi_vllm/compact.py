@@ -86,3 +86,56 @@ class CompactBuffer:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class PackedCompactBuffer:
+    """One layer's compact sets in preallocated ``(slots, Hkv, capacity, D)`` storage (GPU path).
+
+    Holds the same contents as :class:`CompactBuffer`; fast steps of a whole batch read it in one
+    kernel launch (``sfi_vllm_kernels.fast_decode``), and slow steps fill it with the repack
+    kernel. Allocated when the layer is built, so vLLM's memory profiling counts it before sizing
+    the KV cache.
+    """
+
+    def __init__(self, num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_slots, num_kv_heads, capacity, head_size)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = [0] * num_slots  # sinks + selected, per slot (host mirror)
+        self.window_start = [0] * num_slots
+        self.generation = [-1] * num_slots
+
+    @staticmethod
+    def bytes_for(num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
+                  dtype: torch.dtype) -> int:
+        return 2 * num_slots * num_kv_heads * capacity * head_size * torch.empty((), dtype=dtype).element_size()
+
+    def pack(self, slot: int, generation: int, paged: PagedKV, block_table_row: torch.Tensor,
+             num_sinks: int, selected: torch.Tensor, window_start: int) -> None:
+        from sfi_vllm_kernels.repack import repack
+
+        hkv = selected.shape[0]
+        n = num_sinks + selected.shape[1]
+        if n > self.capacity:
+            raise RuntimeError(
+                f"sfi-vllm: a compact set of {n} tokens exceeds the layer's capacity "
+                f"{self.capacity} (sinks + the largest K the engine's SFI config allows)"
+            )
+        dev = self.keys.device
+        sink_pos = torch.arange(num_sinks, device=dev, dtype=torch.int32).expand(hkv, num_sinks)
+        positions = torch.cat([sink_pos, selected.to(dev, torch.int32)], dim=1)[None].contiguous()
+        key_cache, value_cache = paged.nhd_views()
+        repack(key_cache, value_cache, block_table_row[None].to(torch.int32),
+               torch.tensor([slot], dtype=torch.int32, device=dev), positions,
+               torch.tensor([n], dtype=torch.int32, device=dev), self.keys, self.values)
+        self.length[slot] = n
+        self.window_start[slot] = window_start
+        self.generation[slot] = generation
+
+    def valid(self, slot: int, generation: int) -> bool:
+        return self.generation[slot] == generation
+
+    def drop(self, slot: int) -> None:
+        self.generation[slot] = -1

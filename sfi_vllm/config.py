@@ -108,6 +108,9 @@ class SFIConfig(BaseModel):
     )
 
     selector: SelectorConfig = Field(default_factory=SelectorConfig)
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
+    )
 
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines)")
@@ -155,9 +158,10 @@ class SFIConfig(BaseModel):
         k = round(self.selected_fraction * context_len)
         return max(self.selected_floor, min(self.selected_cap, k))
 
-    def max_selected_budget(self, max_context_len: int) -> int:
-        """The largest K any context up to ``max_context_len`` can get (for sizing buffers)."""
-        return self.selected_budget(max_context_len)
+    def compact_capacity(self, max_context_len: int) -> int:
+        """Tokens a compact set can hold: sinks + the largest K a context up to ``max_context_len``
+        gets (for sizing preallocated buffers)."""
+        return self.sinks + min(self.selected_budget(max_context_len), max_context_len)
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:

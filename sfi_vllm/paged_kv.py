@@ -44,6 +44,12 @@ class PagedKV:
                 raise ValueError("cpu layout needs key_order (see probe_cpu_key_order)")
             self.key_order = self.key_order.to(self.kv_cache.device)
 
+    def nhd_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashAttention's ``(num_blocks, block_size, H, D)`` key and value views (flash layout)."""
+        if self.layout != "flash":
+            raise ValueError("NHD views exist for the flash layout only")
+        return self.kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+
     # -- flat addressing -----------------------------------------------------------------------
     def _flat(self) -> torch.Tensor:
         if self.layout == "flash":

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
-from sfi_vllm.compact import CompactBuffer, selected_count, window_start
+from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.selector import Selector
@@ -120,9 +120,12 @@ class SFILayer:
     """
 
     def __init__(self, controller: SFIController, num_heads: int, num_kv_heads: int,
-                 head_size: int, scale: float) -> None:
+                 head_size: int, scale: float, packed: PackedCompactBuffer | None = None) -> None:
         self.controller = controller
-        self.buffer = CompactBuffer()
+        # packed: preallocated storage read by the Triton fast-step kernel (GPU); else the
+        # plain-torch reference storage
+        self.packed = packed
+        self.buffer = packed if packed is not None else CompactBuffer()
         controller.register_buffer(self.buffer)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -165,7 +168,12 @@ class SFILayer:
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
         plan = step.plan
-        for row in step.fast_rows:
+        rows = step.fast_rows
+        if self.packed is not None:
+            kernel_rows = [r for r in rows if plan.configs[r].policy != "quest"]
+            self._fast_packed(step, paged, query, output, kernel_rows)
+            rows = [r for r in rows if plan.configs[r].policy == "quest"]
+        for row in rows:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
             bt = step.block_table[row]
@@ -181,11 +189,50 @@ class SFILayer:
                         "(a slow step must come first); this is a bug"
                     )
                 ck, cv = entry.keys, entry.values
-                ws = max(entry.window_start, window_start(cfg, ctx)) if cfg.slides_window else entry.window_start
+                ws = self._window_start(cfg, ctx, entry.window_start)
             wk, wv = paged.gather_range(bt, ws, ctx)
             out = fast_step_attention(q, ck, cv, wk, wv, self.scale)
             output[t] = out.view_as(output[t]).to(output.dtype)
             self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
+
+    def _window_start(self, cfg, ctx: int, selected_at: int) -> int:
+        return max(selected_at, window_start(cfg, ctx)) if cfg.slides_window else selected_at
+
+    def _fast_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor,
+                     output: torch.Tensor, rows: list[int]) -> None:
+        """All ``rows`` in one launch of the Triton fast-step kernel."""
+        if not rows:
+            return
+        from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention
+
+        plan, buf = step.plan, self.packed
+        assert buf is not None
+        slots, lens, starts, ctxs = [], [], [], []
+        for row in rows:
+            slot = plan.slots[row]
+            if not buf.valid(slot, plan.generations[row]):
+                raise RuntimeError(
+                    f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
+                    "(a slow step must come first); this is a bug"
+                )
+            ctx = step.seq_lens[row]
+            ws = self._window_start(plan.configs[row], ctx, buf.window_start[slot])
+            slots.append(slot)
+            lens.append(buf.length[slot])
+            starts.append(ws)
+            ctxs.append(ctx)
+            self.controller.stats.record_fast_layer(plan.req_ids[row], buf.length[slot] + ctx - ws, ctx)
+        dev = query.device
+        meta = torch.tensor([slots, lens, starts, ctxs], dtype=torch.int32).to(dev, non_blocking=True)
+        tok = torch.tensor([step.row_token[r] for r in rows], device=dev)
+        row_idx = torch.tensor(rows, device=step.block_table.device)
+        key_cache, value_cache = paged.nhd_views()
+        max_keys = max(n + c - w for n, c, w in zip(lens, ctxs, starts))
+        out = fast_decode_attention(
+            query[tok], buf.keys, buf.values, key_cache, value_cache,
+            step.block_table[row_idx].to(torch.int32), meta[0], meta[1], meta[2], meta[3],
+            self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys))
+        output[tok] = out.view((len(rows),) + tuple(output.shape[1:])).to(output.dtype)
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
@@ -264,11 +311,12 @@ class SFIImplMixin:
 
     _next_fallback_index = 0
 
-    def _init_sfi(self, vllm_config, num_heads, num_kv_heads, head_size) -> None:
+    def _init_sfi(self, vllm_config, num_heads, num_kv_heads, head_size,
+                  packed: PackedCompactBuffer | None = None) -> None:
         from sfi_vllm.controller import get_controller
 
         self.sfi = SFILayer(get_controller(vllm_config), num_heads, num_kv_heads, head_size,
-                            float(self.scale))
+                            float(self.scale), packed)
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
 

@@ -1,10 +1,15 @@
 """SFIFlashBackend: SFI on vLLM 0.26's FlashAttention backend (CUDA, FA3 on Hopper).
 
 Prefill, dense and slow rows run FlashAttention on the kernel rows' metadata (FA's KV layout and
-prefill path are reused unchanged); the Selector, repacking and fast rows run the plain-torch
-reference on the GPU. This is the correctness path of issue 2: it declares no CUDA-graph support
-(vLLM then runs attention eagerly between piecewise graphs) and syncs the host once per step to
-plan it. The Triton fast path, second-stream selector and full CUDA graphs are issue 3.
+prefill path are reused unchanged). Fast rows run the Triton fast-step kernel over preallocated
+compact buffers filled by the Triton repack kernel (``sfi.kernels="auto"``/``"triton"``), or the
+plain-torch reference (``"torch"``); the Selector runs in torch on the GPU. The backend declares no
+CUDA-graph support (vLLM runs attention eagerly between piecewise graphs) and plans each step on
+the host (one sync per step). A second-stream selector and full CUDA graphs are not done yet.
+
+Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
+before sizing the KV cache): ``2 x max_num_seqs x kv_heads x (sinks + K_max) x head_size x dtype
+bytes``, logged at start-up.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import ClassVar
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
@@ -28,8 +34,12 @@ from sfi_vllm.backends.common import (
     SFIStep,
     unsupported_features,
 )
+from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.version import require_supported_vllm
+
+
+logger = init_logger(__name__)
 
 
 class SFIFlashBackend(FlashAttentionBackend):
@@ -103,7 +113,27 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             raise ValueError(f"sfi-vllm cannot serve this model: {', '.join(problems)} not supported")
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        self._init_sfi(get_current_vllm_config(), num_heads, num_kv_heads, head_size)
+        vllm_config = get_current_vllm_config()
+        self._init_sfi(vllm_config, num_heads, num_kv_heads, head_size,
+                       self._packed_buffer(vllm_config, num_kv_heads, head_size))
+
+    @staticmethod
+    def _packed_buffer(vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
+        from sfi_vllm.config import config_from_vllm
+
+        cfg = config_from_vllm(vllm_config)
+        if cfg.kernels == "torch":
+            return None
+        slots = int(vllm_config.scheduler_config.max_num_seqs)
+        capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))
+        dtype = vllm_config.model_config.dtype
+        nbytes = PackedCompactBuffer.bytes_for(slots, num_kv_heads, capacity, head_size, dtype)
+        logger.info_once(
+            "sfi-vllm: compact buffers take 2 x %d seqs x %d kv heads x %d tokens x %d x %d bytes "
+            "= %.1f MiB per layer", slots, num_kv_heads, capacity, head_size,
+            torch.empty((), dtype=dtype).element_size(), nbytes / 2**20)
+        return PackedCompactBuffer(slots, num_kv_heads, capacity, head_size, dtype,
+                                   torch.device("cuda", torch.cuda.current_device()))
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)
