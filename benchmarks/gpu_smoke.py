@@ -35,15 +35,6 @@ def convert(gguf: str, out: Path) -> None:
     subprocess.run([sys.executable, "-c", code, gguf, str(out)], check=True)
 
 
-def agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def serve_and_ask(model: str, port: int, log: Path) -> dict:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
            "--attention-backend", "sfi", "--enforce-eager", "--max-model-len", "4096",
@@ -92,7 +83,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.engine_job import EngineJob, common_prefix_len, run_engine_job
     from sfi_vllm.texts import long_prompts
 
     prompts = long_prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.prompt_tokens, seed=3)
@@ -120,7 +111,7 @@ def main() -> int:
             continue
         entry = {"load_s": round(r["load_s"], 1), "generate_s": round(r["generate_s"], 2)}
         if name != "dense_eager" and "error" not in dense:
-            entry["agree_tokens"] = [agree(d["token_ids"], s["token_ids"])
+            entry["agree_tokens"] = [common_prefix_len(d["token_ids"], s["token_ids"])
                                      for d, s in zip(dense["outputs"], r["outputs"])]
             entry["out_tokens"] = [len(s["token_ids"]) for s in r["outputs"]]
             st = list(r["sfi_stats"].values())

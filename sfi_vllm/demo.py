@@ -23,10 +23,10 @@ def _engine_kwargs(max_model_len: int, num_prompts: int) -> dict[str, Any]:
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    """Index of the first differing token, or None for identical generations."""
+    from sfi_vllm.engine_job import common_prefix_len
+
+    return None if a == b else common_prefix_len(a, b)
 
 
 def _side_by_side(left: str, right: str, width: int) -> str:

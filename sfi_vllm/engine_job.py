@@ -21,6 +21,16 @@ from pathlib import Path
 from typing import Any
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share (greedy agreement before divergence)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class EngineJob:
     model: str

@@ -20,6 +20,19 @@ def paged_cache(num_blocks, page, hkv, d, dtype, device, gen):
     return PagedKV(kv, "flash", d), key_cache, value_cache
 
 
+def block_tables(seq_lens, page, spare, gen, device):
+    """Random, disjoint block tables for ``seq_lens``; returns ``(num_blocks, table)``."""
+    blocks = [-(-s // page) for s in seq_lens]
+    nb = sum(blocks) + spare
+    perm = torch.randperm(nb, generator=gen)
+    bt = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        bt[i, :n] = perm[used:used + n]
+        used += n
+    return nb, bt.to(device)
+
+
 def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 900, 5000, 257), compact=(300, 70, 1000, 4), window=(256, 300, 270, 200),
                       splits=(1, 3, 8), seed=0):
@@ -27,16 +40,8 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
-    blocks = [-(-s // page) for s in seq_lens]
-    nb = sum(blocks) + 5
+    nb, bt = block_tables(seq_lens, page, 5, g, device)
     paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(B, max(blocks), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks):
-        bt[i, :n] = perm[used:used + n]
-        used += n
-    bt = bt.to(device)
     slots = torch.tensor([5, 0, 2, 7][:B], dtype=torch.int32, device=device)
     cap = max(compact) + 3
     ck = torch.randn(8, hkv, cap, d, generator=g).to(device, dtype)
@@ -69,16 +74,8 @@ def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
-    blocks = [-(-s // page) for s in seq_lens]
-    nb = sum(blocks) + 2
+    nb, bt = block_tables(seq_lens, page, 2, g, device)
     paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(B, max(blocks), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks):
-        bt[i, :n] = perm[used:used + n]
-        used += n
-    bt = bt.to(device)
     C = max(counts)
     pos = torch.zeros(B, hkv, C, dtype=torch.int32)
     for b in range(B):

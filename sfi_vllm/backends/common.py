@@ -261,6 +261,43 @@ class SFILayer:
         return ck, cv, ws
 
 
+class SFIBackendMixin:
+    """What both SFI backends declare on top of their platform backend."""
+
+    @staticmethod
+    def get_name() -> str:
+        # Attention.__init__ looks the name up in AttentionBackendEnum: it must be "CUSTOM".
+        return "CUSTOM"
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"  # AttentionType.DECODER (a str enum), without importing vLLM here
+
+
+def check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
+                          decoder_type) -> None:
+    """Raise for a layer SFI cannot serve (called by both impls before their platform init)."""
+    from sfi_vllm.version import require_supported_vllm
+
+    require_supported_vllm()
+    problems = unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks,
+                                    attn_type, decoder_type)
+    if problems:
+        raise ValueError(f"sfi-vllm cannot serve this model: {', '.join(problems)} not supported")
+
+
 def unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
                          decoder_type) -> list[str]:
     problems = []

@@ -23,22 +23,17 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from sfi_vllm.backends.common import (
+    SFIBackendMixin,
     SFIBuilderMixin,
     SFIImplMixin,
     SFIStep,
-    unsupported_features,
+    check_layer_supported,
 )
 from sfi_vllm.paged_kv import PagedKV, probe_cpu_key_order
-from sfi_vllm.version import require_supported_vllm
 
 
-class SFICpuBackend(CPUAttentionBackend):
+class SFICpuBackend(SFIBackendMixin, CPUAttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
-
-    @staticmethod
-    def get_name() -> str:
-        # Attention.__init__ looks the name up in AttentionBackendEnum: it must be "CUSTOM".
-        return "CUSTOM"
 
     @staticmethod
     def get_impl_cls() -> type["SFICpuImpl"]:
@@ -47,22 +42,6 @@ class SFICpuBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type["SFICpuMetadataBuilder"]:
         return SFICpuMetadataBuilder
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
 
 
 @dataclass
@@ -82,11 +61,8 @@ class SFICpuImpl(SFIImplMixin, CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, sinks=None) -> None:
-        require_supported_vllm()
-        problems = unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks,
-                                        attn_type, AttentionType.DECODER)
-        if problems:
-            raise ValueError(f"sfi-vllm cannot serve this model: {', '.join(problems)} not supported")
+        check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
+                              AttentionType.DECODER)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self._init_sfi(get_current_vllm_config(), num_heads, num_kv_heads, head_size)

@@ -29,26 +29,21 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from sfi_vllm.backends.common import (
+    SFIBackendMixin,
     SFIBuilderMixin,
     SFIImplMixin,
     SFIStep,
-    unsupported_features,
+    check_layer_supported,
 )
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
-from sfi_vllm.version import require_supported_vllm
 
 
 logger = init_logger(__name__)
 
 
-class SFIFlashBackend(FlashAttentionBackend):
+class SFIFlashBackend(SFIBackendMixin, FlashAttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        # Attention.__init__ looks the name up in AttentionBackendEnum: it must be "CUSTOM".
-        return "CUSTOM"
 
     @staticmethod
     def get_impl_cls() -> type["SFIFlashImpl"]:
@@ -59,28 +54,12 @@ class SFIFlashBackend(FlashAttentionBackend):
         return SFIFlashMetadataBuilder
 
     @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
     def supports_mm_prefix(cls) -> bool:
         return False
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
         return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
 
 
 @dataclass
@@ -106,11 +85,8 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, sinks=None) -> None:
-        require_supported_vllm()
-        problems = unsupported_features(alibi_slopes, sliding_window, logits_soft_cap, sinks,
-                                        attn_type, AttentionType.DECODER)
-        if problems:
-            raise ValueError(f"sfi-vllm cannot serve this model: {', '.join(problems)} not supported")
+        check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
+                              AttentionType.DECODER)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         vllm_config = get_current_vllm_config()

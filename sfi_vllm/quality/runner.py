@@ -26,21 +26,12 @@ from typing import Any
 from sfi_vllm.policies import POLICIES, policy_overrides
 
 
-def _agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
              out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
              max_num_seqs: int = 8, engine_kwargs: dict | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.engine_job import EngineJob, common_prefix_len, run_engine_job
     from sfi_vllm.model_prep import prepare_model
     from sfi_vllm.quality.tasks import TASKS, make_suite, score
 
@@ -81,7 +72,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         st = res["sfi_stats"].get(o["request_id"], {})
         per.append(dict(policy=pol, retention=r, task=smp.task, kind=smp.kind, context=smp.context_tokens,
                         index=smp.index, score=score(smp, o["text"]), output=o["text"],
-                        answers=list(smp.answers), agree_tokens=_agree(dense_tokens[si], o["token_ids"]),
+                        answers=list(smp.answers), agree_tokens=common_prefix_len(dense_tokens[si], o["token_ids"]),
                         out_tokens=len(o["token_ids"]),
                         attended_fraction=st.get("attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),

@@ -42,6 +42,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from sfi_vllm.texts import _token_counter
+
 __all__ = [
     "Sample",
     "TASKS",
@@ -136,27 +138,9 @@ def _tolerance(target: int) -> int:
 
 # --------------------------------------------------------------------------- token counting
 
-def _count_fn(tokenizer: Any) -> Callable[[list[str]], list[int]]:
-    def count(texts: list[str]) -> list[int]:
-        if not texts:
-            return []
-        if callable(tokenizer):
-            try:
-                try:
-                    enc = tokenizer(texts, add_special_tokens=False, verbose=False)
-                except TypeError:
-                    enc = tokenizer(texts, add_special_tokens=False)
-                ids = enc["input_ids"] if not isinstance(enc, list) else enc
-                return [len(x) for x in ids]
-            except TypeError:
-                pass
-        return [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-    return count
-
-
 def count_tokens(tokenizer: Any, text: str) -> int:
     """Tokens of ``text`` without special tokens (how prompt sizes are measured here)."""
-    return _count_fn(tokenizer)([text])[0]
+    return _token_counter(tokenizer)([text])[0]
 
 
 # --------------------------------------------------------------------------- corpus
@@ -200,7 +184,7 @@ class _Env:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.count = _count_fn(tokenizer)
+        self.count = _token_counter(tokenizer)
         try:
             self.costs = _cost_memo.setdefault(tokenizer, {})
         except TypeError:
