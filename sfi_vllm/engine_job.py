@@ -121,8 +121,7 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
         src, dst = Path(tmp) / "job.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(asdict(job)))
         full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-        if quiet:
-            full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         log = Path(tmp) / "log.txt"
         with open(log, "w") as logf:
             proc = subprocess.run([sys.executable, "-m", "sfi_vllm.engine_job", str(src), str(dst)],
