@@ -233,18 +233,11 @@ class SFIController:
         self.planned_steps += 1
         return plan
 
-    def take_plan(self, num_reqs: int) -> StepPlan | None:
+    def take_plan(self) -> StepPlan | None:
         """The plan for the metadata being built now, or None outside a planned step (profiling,
-        warm-up and capture runs, which vLLM runs without scheduling requests)."""
-        plan = self.current_plan
-        if plan is None:
-            return None
-        if plan.num_reqs != num_reqs:
-            raise RuntimeError(
-                f"sfi-vllm: step plan has {plan.num_reqs} rows but attention metadata has "
-                f"{num_reqs}; the runner hooks are out of step with this vLLM version"
-            )
-        return plan
+        warm-up and capture runs, which vLLM runs without scheduling requests). ``make_step``
+        checks it against the metadata's rows."""
+        return self.current_plan
 
     def end_step(self) -> None:
         self.current_plan = None

@@ -83,7 +83,8 @@ def make_step(
     n = cam.num_reqs
     if n < plan.num_reqs:
         raise RuntimeError(
-            f"sfi-vllm: attention metadata has {n} rows but the step plan has {plan.num_reqs}"
+            f"sfi-vllm: attention metadata has {n} rows but the step plan has {plan.num_reqs}; "
+            "the runner hooks are out of step with this vLLM version"
         )
     modes = plan.modes + [int(StepMode.PREFILL)] * (n - plan.num_reqs)  # padding rows
     qsl = cam.query_start_loc_cpu.tolist()
@@ -334,7 +335,7 @@ class SFIBuilderMixin:
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
-        plan = self.controller.take_plan(cam.num_reqs)
+        plan = self.controller.take_plan()
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))
         return meta
