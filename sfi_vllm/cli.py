@@ -54,7 +54,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
              tasks=args.tasks.split(",") if args.tasks else None, n=args.samples, seed=args.seed,
              out=args.out, raw_out=args.raw)
     if args.report:
-        write_report(args.out, args.report, args.title, " ".join(sys.argv))
+        write_report(args.out, args.report, args.title, "sfi-vllm " + " ".join(sys.argv[1:]))
     return 0
 
 
