@@ -17,7 +17,9 @@ DEMO_SFI = {"sinks": 4, "recent_window": 128, "selected_tokens": 128, "reuse_bud
 
 
 def _engine_kwargs(max_model_len: int, num_prompts: int) -> dict[str, Any]:
-    return dict(max_model_len=max_model_len, max_num_seqs=max(2, num_prompts))
+    from sfi_vllm.engine_job import CPU_DTYPE
+
+    return dict(max_model_len=max_model_len, max_num_seqs=max(2, num_prompts), dtype=CPU_DTYPE)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -32,7 +32,7 @@ def model_dir():
 def _server(model_dir, port, sfi, log, extra_env=None):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--attention-backend", "sfi",
-           "--max-model-len", "1024", "--max-num-seqs", "2", "--enforce-eager",
+           "--max-model-len", "1024", "--max-num-seqs", "2", "--enforce-eager", "--dtype", "float32",
            "--generation-config", "vllm", "--additional-config", json.dumps({"sfi": sfi})]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

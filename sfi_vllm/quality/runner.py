@@ -29,7 +29,8 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
              max_num_seqs: int = 8, engine_kwargs: dict | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, common_prefix_len, cpu_engine_env, run_engine_job
+    from sfi_vllm.engine_job import (CPU_DTYPE, EngineJob, common_prefix_len, cpu_engine_env,
+                                     run_engine_job)
     from sfi_vllm.model_prep import prepare_model
     from sfi_vllm.quality.tasks import TASKS, make_suite, score
 
@@ -54,7 +55,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
                 keys.append((si, pol, r))
     print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills)", flush=True)
     eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
-               max_num_seqs=max_num_seqs, enable_prefix_caching=True)
+               max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=CPU_DTYPE)
     eng.update(engine_kwargs or {})
     env = cpu_engine_env(kv_cache_gib)
     t0 = time.time()
