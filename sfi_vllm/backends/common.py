@@ -323,9 +323,10 @@ class SFIBuilderMixin:
 
     metadata_cls: type
 
-    def _init_sfi(self, vllm_config) -> None:
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         from sfi_vllm.controller import get_controller
 
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # type: ignore[call-arg]
         self.controller = get_controller(vllm_config)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
@@ -349,14 +350,26 @@ class SFIImplMixin:
 
     _next_fallback_index = 0
 
-    def _init_sfi(self, vllm_config, num_heads, num_kv_heads, head_size,
-                  packed: PackedCompactBuffer | None = None) -> None:
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
+                 kv_sharing_target_layer_name=None, sinks=None) -> None:
+        from vllm.config import get_current_vllm_config
+
         from sfi_vllm.controller import get_controller
 
+        check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type, "decoder")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,  # type: ignore[call-arg]
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, sinks)
+        vllm_config = get_current_vllm_config()
         self.sfi = SFILayer(get_controller(vllm_config), num_heads, num_kv_heads, head_size,
-                            float(self.scale), packed)
+                            float(self.scale), self._packed_buffer(vllm_config, num_kv_heads, head_size))
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
+
+    def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
+        """Preallocated compact buffers for a kernel fast path (None: the torch reference)."""
+        return None
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:  # per platform
         raise NotImplementedError

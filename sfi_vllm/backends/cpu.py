@@ -13,8 +13,7 @@ from typing import ClassVar
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.config import get_current_vllm_config
-from vllm.v1.attention.backend import AttentionType
+
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -27,7 +26,6 @@ from sfi_vllm.backends.common import (
     SFIBuilderMixin,
     SFIImplMixin,
     SFIStep,
-    check_layer_supported,
 )
 from sfi_vllm.paged_kv import PagedKV, probe_cpu_key_order
 
@@ -52,21 +50,9 @@ class SFICpuMetadata(CPUAttentionMetadata):
 class SFICpuMetadataBuilder(SFIBuilderMixin, CPUAttentionMetadataBuilder):
     metadata_cls = SFICpuMetadata
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_sfi(vllm_config)
-
 
 class SFICpuImpl(SFIImplMixin, CPUAttentionBackendImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None) -> None:
-        check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
-                              AttentionType.DECODER)
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        self._init_sfi(get_current_vllm_config(), num_heads, num_kv_heads, head_size)
-        self._key_order: torch.Tensor | None = None
+    _key_order: torch.Tensor | None = None  # found on first use (needs the cache's block size)
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         if self._key_order is None:

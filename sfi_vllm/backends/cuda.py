@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -33,7 +32,6 @@ from sfi_vllm.backends.common import (
     SFIBuilderMixin,
     SFIImplMixin,
     SFIStep,
-    check_layer_supported,
 )
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
@@ -76,25 +74,9 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         return AttentionCGSupport.NEVER
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_sfi(vllm_config)
-
 
 class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None) -> None:
-        check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,
-                              AttentionType.DECODER)
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        vllm_config = get_current_vllm_config()
-        self._init_sfi(vllm_config, num_heads, num_kv_heads, head_size,
-                       self._packed_buffer(vllm_config, num_kv_heads, head_size))
-
-    @staticmethod
-    def _packed_buffer(vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
+    def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         from sfi_vllm.config import config_from_vllm
 
         cfg = config_from_vllm(vllm_config)
