@@ -1,8 +1,15 @@
 """Fast-step decode attention: one softmax over the compact buffer and the paged recent window.
 
 Reference: :func:`sfi_vllm.attention_ref.fast_step_attention` applied per row to
-``compact_k[slot, :, :compact_len]`` and the window ``[window_start, seq_len)`` read from vLLM's
-paged cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``).
+``compact_k[slot, :, :compact_len[slot]]`` and the window ``[ws, seq_len)`` read from vLLM's paged
+cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``), where
+``ws = max(window_start[slot], row_min_window_start[row])``. A row whose slot is negative has no
+compact set and attends densely to ``[0, seq_len)``; a row with ``seq_len == 0`` writes zeros.
+
+Everything per row and per slot is read from device tensors, so one launch over a fixed number of
+rows (a CUDA-graph batch, padding rows included) serves any mix of fast and dense rows: the
+captured graph reads the step's row -> slot table and the layer's per-slot lengths and window
+starts at replay time.
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
@@ -19,7 +26,7 @@ import triton.language as tl
 
 @triton.jit
 def _fast_decode_split(
-    Q, CK, CV, KC, VC, BT, SLOT, NC, WS, SEQ, ACC, LSE,
+    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, ACC, LSE,
     stride_qb, stride_qh,
     stride_cks, stride_ckh, stride_ckn,
     stride_cvs, stride_cvh, stride_cvn,
@@ -35,10 +42,13 @@ def _fast_decode_split(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    nc = tl.load(NC + b)
-    ws = tl.load(WS + b)
+    slot = tl.load(ROW_SLOT + b)
+    has_set = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    nc = tl.where(has_set, tl.load(NC + slot), 0)
+    ws = tl.where(has_set, tl.maximum(tl.load(WS + slot), tl.load(ROW_MIN_WS + b)), 0)
     seq = tl.load(SEQ + b)
-    slot = tl.load(SLOT + b).to(tl.int64)
+    ws = tl.minimum(ws, seq)
     total = nc + seq - ws
     per = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = s * per
@@ -128,17 +138,30 @@ def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs:
     return int(max(1, min(want, triton.cdiv(max_keys, 256), 64)))
 
 
+def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528) -> int:
+    """Splits for a CUDA-graph batch: a function of the batch shape only (contexts change from
+    step to step while the graph stays fixed); splits past a row's keys exit at once."""
+    return int(max(1, min(64, triton.cdiv(target_programs, max(1, rows * kv_heads)))))
+
+
+def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_size: int) -> int:
+    """float32 elements of the partial outputs + LSEs for any batch of up to ``max_rows`` rows."""
+    return max(b * q_heads * uniform_num_splits(b, kv_heads) * (head_size + 1)
+               for b in range(1, max_rows + 1))
+
+
 def fast_decode_attention(
     q: torch.Tensor,  # (B, Hq, D)
     compact_k: torch.Tensor,  # (slots, Hkv, C, D)
     compact_v: torch.Tensor,
     key_cache: torch.Tensor,  # (num_blocks, page, Hkv, D) view, last dim contiguous
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # (B, max_blocks) int32
-    slots: torch.Tensor,  # (B,) int32: compact-buffer slot of each row
-    compact_len: torch.Tensor,  # (B,) int32: sinks + selected tokens in the slot
-    window_start: torch.Tensor,  # (B,) int32
-    seq_lens: torch.Tensor,  # (B,) int32: tokens in the cache including this step's
+    block_table: torch.Tensor,  # (>= B, max_blocks) int32
+    row_slot: torch.Tensor,  # (>= B,) int32: compact-buffer slot of each row, -1: dense row
+    row_min_window_start: torch.Tensor,  # (>= B,) int32: the window starts here at the latest
+    seq_lens: torch.Tensor,  # (>= B,) int32: tokens in the cache including this step's
+    compact_len: torch.Tensor,  # (slots,) int32: sinks + selected tokens held by each slot
+    window_start: torch.Tensor,  # (slots,) int32: window start fixed at the slot's last refresh
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
@@ -158,8 +181,8 @@ def fast_decode_attention(
     for t in (q, compact_k, compact_v, key_cache, value_cache):
         assert t.stride(-1) == 1
     _fast_decode_split[(B, Hkv, num_splits)](
-        q, compact_k, compact_v, key_cache, value_cache, block_table, slots, compact_len,
-        window_start, seq_lens, acc, lse,
+        q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
+        row_min_window_start, seq_lens, compact_len, window_start, acc, lse,
         q.stride(0), q.stride(1),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
         compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),

@@ -94,7 +94,8 @@ class PackedCompactBuffer:
     Holds the same contents as :class:`CompactBuffer`; fast steps of a whole batch read it in one
     kernel launch (``sfi_vllm_kernels.fast_decode``), and slow steps fill it with the repack
     kernel. Allocated when the layer is built, so vLLM's memory profiling counts it before sizing
-    the KV cache.
+    the KV cache. Each slot's length and window start live on the device (read by the kernel, also
+    inside CUDA graphs) and on the host (checks and statistics).
     """
 
     def __init__(self, num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
@@ -103,6 +104,8 @@ class PackedCompactBuffer:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.length_dev = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.window_start_dev = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.length = [0] * num_slots  # sinks + selected, per slot (host mirror)
         self.window_start = [0] * num_slots
         self.generation = [-1] * num_slots
@@ -114,25 +117,37 @@ class PackedCompactBuffer:
 
     def pack(self, slot: int, generation: int, paged: PagedKV, block_table_row: torch.Tensor,
              num_sinks: int, selected: torch.Tensor, window_start: int) -> None:
+        hkv = selected.shape[0]
+        dev = self.keys.device
+        sink_pos = torch.arange(num_sinks, device=dev, dtype=torch.int32).expand(hkv, num_sinks)
+        positions = torch.cat([sink_pos, selected.to(dev, torch.int32)], dim=1)[None]
+        self.pack_rows([slot], [generation], paged, block_table_row[None], positions,
+                       [num_sinks + selected.shape[1]], [window_start])
+
+    def pack_rows(self, slots: list[int], generations: list[int], paged: PagedKV,
+                  block_tables: torch.Tensor, positions: torch.Tensor, counts: list[int],
+                  window_starts: list[int]) -> None:
+        """Repack several slots in one launch: ``positions (B, Hkv, C)`` (sinks first, then the
+        selection, ascending), of which the first ``counts[b]`` are row ``b``'s."""
         from sfi_vllm_kernels.repack import repack
 
-        hkv = selected.shape[0]
-        n = num_sinks + selected.shape[1]
-        if n > self.capacity:
+        if max(counts) > self.capacity:
             raise RuntimeError(
-                f"sfi-vllm: a compact set of {n} tokens exceeds the layer's capacity "
+                f"sfi-vllm: a compact set of {max(counts)} tokens exceeds the layer's capacity "
                 f"{self.capacity} (sinks + the largest K the engine's SFI config allows)"
             )
         dev = self.keys.device
-        sink_pos = torch.arange(num_sinks, device=dev, dtype=torch.int32).expand(hkv, num_sinks)
-        positions = torch.cat([sink_pos, selected.to(dev, torch.int32)], dim=1)[None].contiguous()
+        meta = torch.tensor([slots, counts, window_starts], dtype=torch.int32).to(dev, non_blocking=True)
         key_cache, value_cache = paged.nhd_views()
-        repack(key_cache, value_cache, block_table_row[None].to(torch.int32),
-               torch.tensor([slot], dtype=torch.int32, device=dev), positions,
-               torch.tensor([n], dtype=torch.int32, device=dev), self.keys, self.values)
-        self.length[slot] = n
-        self.window_start[slot] = window_start
-        self.generation[slot] = generation
+        repack(key_cache, value_cache, block_tables.to(torch.int32), meta[0],
+               positions.to(dev, torch.int32).contiguous(), meta[1], self.keys, self.values)
+        slot_idx = meta[0].long()
+        self.length_dev[slot_idx] = meta[1]
+        self.window_start_dev[slot_idx] = meta[2]
+        for slot, gen, n, ws in zip(slots, generations, counts, window_starts):
+            self.length[slot] = n
+            self.window_start[slot] = ws
+            self.generation[slot] = gen
 
     def valid(self, slot: int, generation: int) -> bool:
         return self.generation[slot] == generation

@@ -52,9 +52,21 @@ class StepPlan:
     refresh_all: list[bool]  # a slow step that must refresh every layer
     slow_counts: list[int]  # slow steps so far (selects the half of layers an interleaved step refreshes)
     configs: list[SFIConfig]  # each row's SFI config (the engine's, or its request's own)
+    # tokens in the cache per row, including this step's (None: read them from the metadata)
+    context: list[int] | None = None
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
+
+    def row_needs_eager(self, i: int) -> bool:
+        """A slow step (selector + repack) or a Quest-style step (per-step page selection): work
+        that runs eagerly, outside a full CUDA graph."""
+        return self.modes[i] == StepMode.SLOW or (
+            self.modes[i] == StepMode.FAST and self.configs[i].policy == "quest")
+
+    @property
+    def needs_eager(self) -> bool:
+        return any(self.row_needs_eager(i) for i in range(self.num_reqs))
 
 
 class SFIController:
@@ -70,6 +82,7 @@ class SFIController:
         self._request_cfgs: dict[str, SFIConfig] = {}
         self.stats = StatsRegistry(cfg.stats_file)
         self.buffers: list[CompactBuffer] = []
+        self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         self.current_plan: StepPlan | None = None
         self.planned_steps = 0
         boundary = self._boundary_tokens(vllm_config)
@@ -228,6 +241,7 @@ class SFIController:
             refresh_all=refresh_all,
             slow_counts=slow_counts,
             configs=[self.slot_cfg[s] for s in slots],
+            context=context,
         )
         self.current_plan = plan
         self.planned_steps += 1

@@ -138,3 +138,76 @@ class Selector:
         s = self.scores(probs, key_norms, lo, hi, num_query_rows)
         idx = torch.topk(s, k, dim=-1).indices
         return torch.sort(idx, dim=-1).values + lo
+
+
+def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,
+                   hi: list[int], k: list[int], num_query_rows: int = 1) -> torch.Tensor:
+    """:meth:`Selector.select` for a batch of rows with different candidate ranges, as tensor ops
+    with no host synchronisation (the GPU slow step runs this for all its rows at once).
+
+    ``probs (B, Hkv, R, W)`` and ``key_norms (B, Hkv, W)`` cover positions ``[0, W)``; row ``b``'s
+    candidates are ``[lo, hi[b])`` and it keeps ``k[b]`` of them. Returns ``(B, Hkv, max(k))``
+    positions; row ``b``'s first ``k[b]`` per head are its selection, ascending (the rest are
+    padding). Every row must have ``0 < k[b] <= hi[b] - lo``. Row ``b`` equals
+    ``selector.select(probs[b], key_norms[b, :, lo:hi[b]], lo, hi[b], k[b])`` up to ties.
+    """
+    c = selector.cfg
+    B, hkv = probs.shape[:2]
+    dev = probs.device
+    width = max(hi) - lo
+    kmax = max(k)
+    assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
+    n = torch.tensor([h - lo for h in hi], device=dev, dtype=torch.float32)[:, None, None]  # (B,1,1)
+    j = torch.arange(width, device=dev, dtype=torch.float32)
+    valid = j < n  # (B, 1, W)
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+
+    # 1. evidence: power mean over the group's rows, renormalised over each row's candidates
+    p = probs[..., lo:lo + width].float().clamp_min(0.0)
+    pooled = p.pow(c.alpha).mean(dim=2).pow(1.0 / c.alpha) * valid
+    total = pooled.sum(dim=-1, keepdim=True)
+    f = torch.where(total > 0, pooled / total.clamp_min(_EPS), valid / n)
+    if c.smooth_kernel > 1:
+        kk = c.smooth_kernel
+        flat = f.reshape(B * hkv, 1, width)
+        ones = valid.expand(B, hkv, width).reshape(B * hkv, 1, width).float()
+        s_sum = F.avg_pool1d(flat, kk, 1, kk // 2, count_include_pad=True)[..., :width]
+        s_cnt = F.avg_pool1d(ones, kk, 1, kk // 2, count_include_pad=True)[..., :width]
+        f = (s_sum / s_cnt.clamp_min(_EPS)).view(B, hkv, width) * valid
+
+    # 2-3. prior and closed-form fusion
+    if c.use_prior:
+        u = j / (n - 1).clamp_min(1.0)
+        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log((1.0 - u).clamp_min(_EPS))
+        norm = -c.gamma * torch.log(key_norms[..., lo:lo + width].float().clamp_min(_EPS))
+        log_r = torch.where(valid, c.w_norm * norm + c.w_pos * pos, neg_inf)
+        log_r = log_r - torch.logsumexp(log_r, dim=-1, keepdim=True)
+        r = log_r.exp()
+        diff = f - r
+        denom = (diff * diff).sum(dim=-1)
+        lam = torch.where(denom > 0, (f * diff).sum(dim=-1) / denom.clamp_min(_EPS), torch.zeros_like(denom))
+        lam = lam.clamp(0.0, c.lambda_max_multi if num_query_rows > 1 else c.lambda_max_single)[..., None]
+        log_f = torch.log(f.clamp_min(_EPS))
+        log_s = torch.logaddexp(torch.log((1.0 - lam).clamp_min(_EPS)) + log_f,
+                                torch.log(lam.clamp_min(_EPS)) + torch.where(valid, log_r, 0.0))
+        log_s = torch.where(lam > 0, log_s, log_f).clamp_min(_LOG_FLOOR)
+    else:
+        log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
+    log_s = torch.where(valid, log_s, neg_inf)
+
+    # 4. soft-NMS (positions past a row's candidates are -inf, as max_pool1d's padding is)
+    if c.use_nms:
+        r_ = c.nms_radius
+        local_max = F.max_pool1d(log_s.reshape(B * hkv, 1, width), 2 * r_ + 1, 1, r_).view(B, hkv, width)
+        log_s = torch.where(valid, log_s - c.nms_strength * (local_max - log_s), neg_inf)
+
+    # 5. cross-head exclusivity
+    if c.use_exclusivity and hkv > 2:
+        log_rho = torch.log_softmax(torch.where(valid, log_s, 0.0) / c.exclusivity_temperature, dim=1)
+        log_s = torch.where(valid, log_s + c.exclusivity_strength * log_rho, neg_inf)
+
+    # 6. top-k per row: keep each row's first k[b] by score, then sort them by position
+    idx = torch.topk(log_s, kmax, dim=-1).indices
+    keep = torch.arange(kmax, device=dev)[None, None, :] < torch.tensor(k, device=dev)[:, None, None]
+    idx = torch.where(keep, idx, torch.full_like(idx, width))
+    return torch.sort(idx, dim=-1).values + lo

@@ -34,37 +34,80 @@ def block_tables(seq_lens, page, spare, gen, device):
 
 
 def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
-                      seq_lens=(3000, 900, 5000, 257), compact=(300, 70, 1000, 4), window=(256, 300, 270, 200),
+                      seq_lens=(3000, 900, 5000, 257, 700, 0), compact=(300, 70, 1000, 4, None, None),
+                      window=(256, 300, 270, 200, None, None), min_ws=(0, 0, 4900, 0, 0, 0),
                       splits=(1, 3, 8), seed=0):
+    """Rows with a compact set, a row whose window slides past its refresh point (``min_ws``), a
+    dense row (no slot: ``compact`` None) and an empty padding row (``seq_len`` 0)."""
     from sfi_vllm_kernels.fast_decode import fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
-    nb, bt = block_tables(seq_lens, page, 5, g, device)
+    nb, bt = block_tables([max(s, 1) for s in seq_lens], page, 5, g, device)
     paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
-    slots = torch.tensor([5, 0, 2, 7][:B], dtype=torch.int32, device=device)
-    cap = max(compact) + 3
+    slot_of_row = [5, 0, 2, 7, -1, -1][:B]
+    cap = max(c for c in compact if c is not None) + 3
     ck = torch.randn(8, hkv, cap, d, generator=g).to(device, dtype)
     cv = torch.randn(8, hkv, cap, d, generator=g).to(device, dtype)
-    nc = torch.tensor(compact, dtype=torch.int32, device=device)
-    ws = torch.tensor([s - w for s, w in zip(seq_lens, window)], dtype=torch.int32, device=device)
+    nc_by_slot = torch.zeros(8, dtype=torch.int32)
+    ws_by_slot = torch.zeros(8, dtype=torch.int32)
+    for b, s in enumerate(slot_of_row):
+        if s >= 0:
+            nc_by_slot[s] = compact[b]
+            ws_by_slot[s] = seq_lens[b] - window[b]
+    row_slot = torch.tensor(slot_of_row, dtype=torch.int32, device=device)
+    row_min_ws = torch.tensor(min_ws, dtype=torch.int32, device=device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(B, hq, d, generator=g).to(device, dtype)
     scale = d ** -0.5
     refs = []
     for b in range(B):
-        s = int(slots[b])
-        wk, wv = paged.gather_range(bt[b], int(ws[b]), seq_lens[b])
-        refs.append(fast_step_attention(q[b], ck[s, :, : compact[b]], cv[s, :, : compact[b]], wk, wv, scale))
+        s = slot_of_row[b]
+        if seq_lens[b] == 0:
+            refs.append(torch.zeros(hq, d))
+            continue
+        if s < 0:
+            n, ws = 0, 0
+        else:
+            n, ws = int(nc_by_slot[s]), max(int(ws_by_slot[s]), min_ws[b])
+        wk, wv = paged.gather_range(bt[b], ws, seq_lens[b])
+        refs.append(fast_step_attention(q[b], ck[max(s, 0), :, :n], cv[max(s, 0), :, :n], wk, wv, scale).cpu())
     ref = torch.stack(refs)
     worst = 0.0
     for ns in splits:
         out = torch.full_like(q, float("nan"))
-        fast_decode_attention(q, ck, cv, kc, vc, bt, slots, nc, ws, sl, scale, ns, out=out,
+        fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, row_min_ws, sl,
+                              nc_by_slot.to(device), ws_by_slot.to(device), scale, ns, out=out,
                               workspace=make_workspace(B, hq, d, ns, device))
         assert not torch.isnan(out).any(), f"unwritten output (splits={ns})"
-        err = ((out.float() - ref).norm() / ref.norm()).item()
+        err = ((out.float().cpu() - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
+    return worst
+
+
+def check_slow_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
+                      seq_lens=(3000, 77, 1290), seed=2):
+    """Logits -> probabilities and key norms against ``attention_probs`` on the gathered keys."""
+    from sfi_vllm.attention_ref import attention_probs
+    from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    nb, bt = block_tables(seq_lens, page, 3, g, device)
+    paged, kc, _ = paged_cache(nb, page, hkv, d, dtype, device, g)
+    q = torch.randn(B, hq, d, generator=g).to(device, dtype)
+    scale = d ** -0.5
+    width = max(seq_lens) + 5
+    logits, norms = slow_step_scores(q, kc, bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                     width, scale)
+    probs = torch.softmax(logits, dim=-1)
+    worst = 0.0
+    for b, n in enumerate(seq_lens):
+        keys, _ = paged.gather_range(bt[b], 0, n, want_values=False)
+        ref = attention_probs(q[b], keys, scale)
+        assert torch.all(probs[b, ..., n:] == 0) and torch.all(norms[b, :, n:] == 0)
+        worst = max(worst, (probs[b, ..., :n] - ref).abs().max().item())
+        assert torch.allclose(norms[b, :, :n], keys.float().norm(dim=-1), rtol=1e-3, atol=1e-3)
     return worst
 
 
@@ -94,20 +137,103 @@ def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq
     return 0.0
 
 
+def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi"):
+    """The GPU layer path (score kernel + batched Selector + one repack; fast rows through the
+    step's tables; the uniform all-rows launch with a dense row and a padding row) against the
+    reference layer (per-row torch selector, gathered keys, reference attention)."""
+    from sfi_vllm.backends.common import FastRows, SFILayer, attach_fast_tables, fast_row_tables, make_step
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+
+    n = len(seq_lens)
+    over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides(policy, retention, max(seq_lens))}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    cfg = ctl.cfg
+    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device)
+    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
+    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
+    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
+    paged = PagedKV(cache, "flash", d)
+    cam.block_table_tensor = cam.block_table_tensor.to(device)
+    cam.seq_lens = cam.seq_lens.to(device)
+    qd = q.to(device, dtype)
+    ctx = list(seq_lens)
+    slow = make_step(plan_for([StepMode.SLOW] * n, cfg=cfg, context=ctx), cam, lambda s: None)
+    # the fast step: one token later for every row (the window slides by one)
+    modes = [StepMode.FAST] * (n - 1) + [StepMode.DENSE]
+    step = make_step(plan_for(modes, cfg=cfg, context=ctx), cam, lambda s: None)
+    attach_fast_tables(step, cam, ctl)
+    outs = []
+    for layer in (ref, fast):
+        layer.refresh(slow, paged, qd, 0)
+        out = torch.full_like(qd, float("nan"))
+        layer.fast(step, paged, qd, out)
+        outs.append(out[: n - 1].float().cpu())
+    same = 0
+    for row in range(n):
+        entry = ref.buffer.get(row, 1)
+        k = entry.num_tokens
+        assert packed.length[row] == k and packed.window_start[row] == entry.window_start
+        assert int(packed.length_dev[row]) == k and int(packed.window_start_dev[row]) == entry.window_start
+        ref_keys = entry.keys.to(dtype).cpu()
+        got = packed.keys[row, :, :k].cpu()
+        same += (got == ref_keys).all(-1).float().mean().item()
+    assert same / n > 0.97, f"selections differ: {same / n:.3f} of tokens identical"
+    err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert err < 2e-2, f"fast rows: {err}"
+    # the uniform launch: the same fast rows, the last row dense, one padding row (seq_len 0)
+    tables = torch.zeros(2, n + 1, dtype=torch.int32)
+    tables[:, :n] = fast_row_tables(step.plan, list(range(n)))
+    tables[0, n] = -1
+    uni = FastRows(rows=n + 1, slot=tables[0].to(device), min_window_start=tables[1].to(device),
+                   seq_lens=torch.tensor(ctx + [0], dtype=torch.int32, device=device),
+                   block_table=torch.cat([cam.block_table_tensor, cam.block_table_tensor[:1]]))
+    qu = torch.cat([qd, qd[:1]])
+    out = torch.full_like(qu, float("nan"))
+    ws = torch.empty(uniform_workspace_numel(8, hq, hkv, d), dtype=torch.float32, device=device)
+    fast.fast_uniform(uni, paged, qu, out, ws)
+    out = out.float().cpu()
+    err = ((out[: n - 1] - outs[0]).norm() / outs[0].norm()).item()
+    assert err < 2e-2, f"uniform fast rows: {err}"
+    from sfi_vllm.attention_ref import dense_attention
+
+    keys, values = paged.gather_range(cam.block_table_tensor[n - 1], 0, ctx[-1])
+    dense = dense_attention(qd[n - 1], keys, values, d ** -0.5).cpu()
+    assert ((out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "dense row"
+    assert torch.all(out[n] == 0), "padding row"
+    return err
+
+
 def run_all(device: str) -> None:
     if device == "cpu":  # Triton's interpreter: small shapes, no bf16 in numpy
         for dtype in (torch.float32, torch.float16):
-            err = check_fast_decode("cpu", dtype, hq=4, hkv=2, d=32, page=16, seq_lens=(300, 90, 130),
-                                    compact=(40, 3, 65), window=(70, 60, 50), splits=(1, 2))
+            err = check_fast_decode("cpu", dtype, hq=4, hkv=2, d=32, page=16,
+                                    seq_lens=(300, 90, 130, 70, 45, 0), compact=(40, 3, 65, 2, None, None),
+                                    window=(70, 60, 50, 20, None, None), min_ws=(0, 0, 100, 0, 0, 0),
+                                    splits=(1, 2))
             assert err < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, err)
+            err = check_slow_scores("cpu", dtype, hq=4, hkv=2, d=32, seq_lens=(150, 33))
+            assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
+        check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):
         for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
             err = check_fast_decode(device, dtype, hq=hq, hkv=hkv, d=d)
             assert err < 1e-2, (dtype, hq, d, err)
+            err = check_slow_scores(device, dtype, hq=hq, hkv=hkv, d=d)
+            assert err < 2e-3, (dtype, hq, d, err)
             check_repack(device, dtype, hkv=hkv, d=d)
+            for policy in ("sfi", "streaming", "snapkv"):
+                check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
     print("kernel checks passed (cuda)")
 
 

@@ -45,39 +45,5 @@ def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
         err = (out[row].double().cpu() - ref).norm() / ref.norm()
         assert err < 1e-2, err
 
-
-@pytest.mark.parametrize("policy", ["sfi", "streaming", "snapkv"])
-def test_packed_triton_path_matches_reference_layer(policy):
-    """The GPU fast path (preallocated compact buffers, Triton repack + fast-step kernels) against
-    the reference layer, on a batch of fast rows."""
-    from sfi_vllm.compact import PackedCompactBuffer
-    from sfi_vllm.policies import policy_overrides
-
-    hq, hkv, d = 32, 8, 128
-    seq_lens = [3000, 900, 5000, 1400]
-    cfg_over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides(policy, 0.15, 3000)}
-    ctl = SFIController(build_config(cfg_over, use_env=False), fake_vllm_config(cfg_over))
-    cfg = ctl.cfg
-    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
-    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, torch.bfloat16, "cuda")
-    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
-    paged_cpu, cam, q, _, _ = make_batch("flash", 16, seq_lens, [1] * 4, hq=hq, hkv=hkv, d=d)
-    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to("cuda", torch.bfloat16).permute(0, 2, 1, 3)
-    paged = PagedKV(cache, "flash", d)
-    cam.block_table_tensor = cam.block_table_tensor.cuda()
-    qc = q.to("cuda", torch.bfloat16)
-    slow = make_step(plan_for([StepMode.SLOW] * 4, cfg=cfg), cam, lambda s: None)
-    step = make_step(plan_for([StepMode.FAST] * 4, cfg=cfg), cam, lambda s: None)
-    outs = []
-    for layer in (ref, fast):
-        layer.refresh(slow, paged, qc, 0)
-        out = torch.full_like(qc, float("nan"))
-        layer.fast(step, paged, qc, out)
-        outs.append(out.float())
-    for row in range(4):
-        entry = ref.buffer.get(row, 1)
-        n = entry.num_tokens
-        assert packed.length[row] == n and packed.window_start[row] == entry.window_start
-        assert torch.equal(packed.keys[row, :, :n], entry.keys.to(torch.bfloat16))
-    err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
-    assert err < 1e-2, err
+# The packed GPU path (score kernel, batched Selector, repack, fast-step tables, uniform launch)
+# against the reference layer: tests/kernel_checks.py:check_packed_layer, run by test_kernels.py.

@@ -117,3 +117,34 @@ def test_selector_prefers_attended_tokens(rng):
     pos = Selector().select(p, torch.ones(3, 400), 4, 404, 8)
     for h in range(3):
         assert set(hot.tolist()) <= set(pos[h].tolist())
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"use_prior": False},
+    {"use_nms": False},
+    {"use_exclusivity": False},
+    {"alpha": 1.0, "use_prior": False, "use_nms": False, "use_exclusivity": False, "smooth_kernel": 7},
+])
+@pytest.mark.parametrize("hkv,group", [(8, 4), (3, 3), (2, 1)])
+def test_batched_selector_matches_per_row_reference(rng, overrides, hkv, group):
+    """The batched selector (the GPU slow step's) picks the same positions as the reference,
+    row by row, for rows of different contexts and budgets in one frame."""
+    from sfi_vllm.selector import select_batched
+
+    sel = Selector(SelectorConfig(**overrides))
+    lo = 4
+    ctx = [300, 97, 211, 260]
+    hi = [c - w for c, w in zip(ctx, (64, 40, 80, 3))]
+    k = [50, 53, 12, 1]  # 53 = every candidate of row 1
+    width = max(ctx)
+    logits = torch.randn(len(ctx), hkv, group, width, generator=rng) * 3
+    for b, c in enumerate(ctx):
+        logits[b, ..., c:] = float("-inf")
+    probs = torch.softmax(logits, -1)
+    norms = torch.rand(len(ctx), hkv, width, generator=rng) * 4 + 0.2
+    got = select_batched(sel, probs, norms, lo, hi, k)
+    assert got.shape == (len(ctx), hkv, max(k))
+    for b in range(len(ctx)):
+        ref = sel.select(probs[b, ..., : ctx[b]], norms[b, :, lo:hi[b]], lo, hi[b], k[b])
+        assert torch.equal(got[b, :, : k[b]], ref), b

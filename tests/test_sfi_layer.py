@@ -72,13 +72,13 @@ def make_batch(layout, block_size, seq_lens, query_lens, hq=9, hkv=3, d=64, seed
     return paged, cam, q, ks, vs
 
 
-def plan_for(modes, slots=None, refresh_all=None, cfg=None):
+def plan_for(modes, slots=None, refresh_all=None, cfg=None, context=None):
     n = len(modes)
     cfg = cfg or build_config({"boundary_token_ids": [7]}, use_env=False)
     return StepPlan(
         num_reqs=n, req_ids=[f"r{i}" for i in range(n)], slots=slots or list(range(n)),
         generations=[1] * n, modes=[int(m) for m in modes], reasons=[1 if m == StepMode.SLOW else 0 for m in modes],
-        refresh_all=refresh_all or [True] * n, slow_counts=[0] * n, configs=[cfg] * n,
+        refresh_all=refresh_all or [True] * n, slow_counts=[0] * n, configs=[cfg] * n, context=context,
     )
 
 

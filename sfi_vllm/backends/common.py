@@ -41,6 +41,24 @@ class SFIStep:
     kernel_rows: list[int]
     kernel_token_idx: torch.Tensor | None  # token indices of the kernel rows (None: all tokens)
     kernel_metadata: Any = None  # the dense kernel's metadata for the kernel rows
+    fast_tables: "FastRows | None" = None  # GPU path: the kernel's tables for the fast rows
+
+
+@dataclass
+class FastRows:
+    """Device tables for one launch of the fast-step kernel (``sfi_vllm_kernels.fast_decode``).
+
+    Row ``b`` reads query token ``token[b]`` (``None``: token ``b``), the compact set of slot
+    ``slot[b]`` (``-1``: none, the row attends densely) and the paged window from
+    ``max(slot's window start, min_window_start[b])`` to ``seq_lens[b]``.
+    """
+
+    rows: int
+    slot: torch.Tensor  # int32
+    min_window_start: torch.Tensor  # int32
+    seq_lens: torch.Tensor  # int32
+    block_table: torch.Tensor  # int32
+    token: torch.Tensor | None = None
 
 
 def subset_common_metadata(cam: Any, rows: list[int]) -> tuple[Any, torch.Tensor]:
@@ -88,7 +106,10 @@ def make_step(
         )
     modes = plan.modes + [int(StepMode.PREFILL)] * (n - plan.num_reqs)  # padding rows
     qsl = cam.query_start_loc_cpu.tolist()
-    seq_lens = cam.seq_lens.tolist()
+    if plan.context is not None:  # host values: no device sync
+        seq_lens = list(plan.context) + [0] * (n - plan.num_reqs)
+    else:
+        seq_lens = cam.seq_lens.tolist()
     fast = [i for i, m in enumerate(modes) if m == StepMode.FAST]
     slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
     kernel = [i for i, m in enumerate(modes) if m != StepMode.FAST]
@@ -107,6 +128,67 @@ def make_step(
         step.kernel_metadata = build_kernel_metadata(sub)
         step.kernel_token_idx = tok
     return step
+
+
+def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
+    """``(2, len(rows))`` int32 host table of the fast-step kernel: the compact-buffer slot of each
+    row (``-1``: no compact set, the row attends densely) and the earliest window start."""
+    out = torch.zeros(2, len(rows), dtype=torch.int32)
+    out[0] = -1
+    if plan is None:
+        return out
+    assert plan.context is not None, "the controller's plans carry host context lengths"
+    for j, i in enumerate(rows):
+        if i >= plan.num_reqs or plan.modes[i] != StepMode.FAST or plan.configs[i].policy == "quest":
+            continue
+        cfg = plan.configs[i]
+        out[0, j] = plan.slots[i]
+        if cfg.slides_window:
+            out[1, j] = window_start(cfg, plan.context[i])
+    return out
+
+
+def record_fast_rows(controller: SFIController, plan: StepPlan, rows: list[int],
+                     buf: PackedCompactBuffer) -> None:
+    """Statistics of the fast rows of a GPU step, once per step from one layer's compact buffer
+    (the kernel path does no per-layer host work)."""
+    assert plan.context is not None
+    for i in rows:
+        slot, ctx = plan.slots[i], plan.context[i]
+        ws = buf.window_start[slot]
+        if plan.configs[i].slides_window:
+            ws = max(ws, window_start(plan.configs[i], ctx))
+        controller.stats.record_fast_layer(plan.req_ids[i], buf.length[slot] + ctx - ws, ctx)
+
+
+def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
+                   controller: SFIController) -> FastRows:
+    """Tables of a uniform step (every row one decode token) for all ``cam.num_reqs`` rows,
+    written into ``persistent (2, max_rows)`` so that a captured CUDA graph reads this step's."""
+    n = cam.num_reqs
+    persistent[:, :n].copy_(fast_row_tables(plan, list(range(n))), non_blocking=True)
+    if plan is not None and controller.buffers:
+        record_fast_rows(controller, plan, plan.rows(StepMode.FAST), controller.buffers[0])
+    return FastRows(rows=n, slot=persistent[0], min_window_start=persistent[1],
+                    seq_lens=cam.seq_lens, block_table=cam.block_table_tensor)
+
+
+def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> None:
+    """Tables of an eager step's fast rows (Quest-style rows excluded), made once per step."""
+    plan = step.plan
+    rows = [r for r in step.fast_rows if plan.configs[r].policy != "quest"]
+    if not rows:
+        return
+    host = torch.cat([fast_row_tables(plan, rows),
+                      torch.tensor([[step.row_token[r] for r in rows]], dtype=torch.int32)])
+    dev = cam.seq_lens.device
+    tables = host.to(dev, non_blocking=True)
+    idx = torch.tensor(rows, device=dev)
+    step.fast_tables = FastRows(rows=len(rows), slot=tables[0], min_window_start=tables[1],
+                                seq_lens=cam.seq_lens[idx].to(torch.int32),
+                                block_table=cam.block_table_tensor[idx].to(torch.int32),
+                                token=tables[2].long())
+    record_fast_rows(controller, plan, rows, controller.buffers[0])
 
 
 def layer_index(layer: Any, fallback: int) -> int:
@@ -147,9 +229,16 @@ class SFILayer:
     def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
         plan = step.plan
-        for row in step.slow_rows:
-            if not self.refreshes(plan, row, layer_idx):
-                continue
+        rows = [r for r in step.slow_rows if self.refreshes(plan, r, layer_idx)]
+        if self.packed is not None:
+            groups: dict = {}
+            for r in rows:  # rows that share selector settings and sinks are scored together
+                cfg = plan.configs[r]
+                groups.setdefault((cfg.selector, min(cfg.sinks, step.seq_lens[r])), []).append(r)
+            for group in groups.values():
+                self._refresh_packed(step, paged, query, group)
+            return
+        for row in rows:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
             bt = step.block_table[row]
@@ -165,6 +254,44 @@ class SFILayer:
             else:  # nothing to select, or every candidate fits: no need to score
                 selected = torch.arange(sinks, sinks + k, device=bt.device).expand(self.num_kv_heads, -1)
             self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
+
+    def _refresh_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, rows: list[int]) -> None:
+        """Slow rows of one selector setting, batched: scores from the Triton score kernel, the
+        batched Selector (tensor ops, no host sync), one repack launch."""
+        from sfi_vllm.selector import select_batched
+        from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+        plan, buf = step.plan, self.packed
+        assert buf is not None
+        cfg0 = plan.configs[rows[0]]
+        ctx = [step.seq_lens[r] for r in rows]
+        ws = [window_start(plan.configs[r], c) for r, c in zip(rows, ctx)]
+        sinks = min(cfg0.sinks, ctx[0])
+        k = [selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)]
+        dev = query.device
+        hkv = self.num_kv_heads
+        kmax = max(k)
+        positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
+        positions[..., :sinks] = torch.arange(sinks, device=dev)
+        row_idx = torch.tensor(rows, device=dev)
+        bt = step.block_table[row_idx]
+        scored = [i for i, r in enumerate(rows) if 0 < k[i] < ws[i] - sinks]
+        if scored:
+            key_cache, _ = paged.nhd_views()
+            sub = torch.tensor(scored, device=dev)
+            tok = torch.tensor([step.row_token[rows[i]] for i in scored], device=dev)
+            seq = torch.tensor([ctx[i] for i in scored], dtype=torch.int32).to(dev, non_blocking=True)
+            logits, norms = slow_step_scores(query[tok], key_cache, bt[sub].to(torch.int32), seq,
+                                             max(ctx[i] for i in scored), self.scale)
+            probs = torch.softmax(logits, dim=-1)
+            sel = select_batched(self.selector(cfg0), probs, norms, sinks, [ws[i] for i in scored],
+                                 [k[i] for i in scored], num_query_rows=1)
+            positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
+        for i in range(len(rows)):
+            if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits
+                positions[i, :, sinks:sinks + k[i]] = torch.arange(sinks, sinks + k[i], device=dev)
+        buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
+                      positions, [sinks + kk for kk in k], ws)
 
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
@@ -201,14 +328,14 @@ class SFILayer:
 
     def _fast_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor,
                      output: torch.Tensor, rows: list[int]) -> None:
-        """All ``rows`` in one launch of the Triton fast-step kernel."""
+        """All ``rows`` in one launch of the Triton fast-step kernel (tables made once per step)."""
         if not rows:
             return
         from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention
 
-        plan, buf = step.plan, self.packed
-        assert buf is not None
-        slots, lens, starts, ctxs = [], [], [], []
+        plan, buf, tables = step.plan, self.packed, step.fast_tables
+        assert buf is not None and tables is not None and tables.rows == len(rows)
+        max_keys = 0
         for row in rows:
             slot = plan.slots[row]
             if not buf.valid(slot, plan.generations[row]):
@@ -216,24 +343,38 @@ class SFILayer:
                     f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
                     "(a slow step must come first); this is a bug"
                 )
-            ctx = step.seq_lens[row]
-            ws = self._window_start(plan.configs[row], ctx, buf.window_start[slot])
-            slots.append(slot)
-            lens.append(buf.length[slot])
-            starts.append(ws)
-            ctxs.append(ctx)
-            self.controller.stats.record_fast_layer(plan.req_ids[row], buf.length[slot] + ctx - ws, ctx)
-        dev = query.device
-        meta = torch.tensor([slots, lens, starts, ctxs], dtype=torch.int32).to(dev, non_blocking=True)
-        tok = torch.tensor([step.row_token[r] for r in rows], device=dev)
-        row_idx = torch.tensor(rows, device=step.block_table.device)
+            max_keys = max(max_keys, buf.length[slot] + step.seq_lens[row] - buf.window_start[slot])
         key_cache, value_cache = paged.nhd_views()
-        max_keys = max(n + c - w for n, c, w in zip(lens, ctxs, starts))
+        assert tables.token is not None
         out = fast_decode_attention(
-            query[tok], buf.keys, buf.values, key_cache, value_cache,
-            step.block_table[row_idx].to(torch.int32), meta[0], meta[1], meta[2], meta[3],
+            query[tables.token], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
+            tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
             self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys))
-        output[tok] = out.view((len(rows),) + tuple(output.shape[1:])).to(output.dtype)
+        output[tables.token] = out.to(output.dtype)
+
+    def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
+                     output: torch.Tensor, workspace: torch.Tensor) -> None:
+        """Every row one decode token (fast rows read their compact set, the others attend
+        densely): one launch with fixed shapes that reads only device tables, so it can be
+        captured in a full CUDA graph and replayed with the tables of later steps."""
+        from sfi_vllm_kernels.fast_decode import fast_decode_attention, uniform_num_splits
+
+        buf = self.packed
+        assert buf is not None
+        b = min(tables.rows, query.shape[0])
+        splits = uniform_num_splits(b, self.num_kv_heads)
+        need = b * self.num_heads * splits * (self.head_size + 1)
+        if need > workspace.numel():
+            raise RuntimeError(f"sfi-vllm: fast-step workspace holds {workspace.numel()} floats, "
+                               f"a batch of {b} rows needs {need}")
+        acc = workspace[: b * self.num_heads * splits * self.head_size].view(
+            b, self.num_heads, splits, self.head_size)
+        lse = workspace[acc.numel(): need].view(b, self.num_heads, splits)
+        key_cache, value_cache = paged.nhd_views()
+        fast_decode_attention(
+            query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
+            tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
+            self.scale, splits, out=output[:b], workspace=(acc, lse))
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
@@ -337,9 +478,20 @@ class SFIBuilderMixin:
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
         plan = self.controller.take_plan()
+        if self._build_uniform(meta, cam, plan):
+            return meta
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))
+            self._build_fast_tables(meta.sfi, cam)
         return meta
+
+    def _build_uniform(self, meta, cam, plan: StepPlan | None) -> bool:
+        """Platform hook: attach the all-rows fast-step tables of a step whose every row is one
+        decode token served by the fast-step kernel (CUDA graphs); False: not such a step."""
+        return False
+
+    def _build_fast_tables(self, step: SFIStep, cam) -> None:
+        """Platform hook: the fast rows' kernel tables of an eager step."""
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -362,7 +514,8 @@ class SFIImplMixin:
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks)
         vllm_config = get_current_vllm_config()
-        self.sfi = SFILayer(get_controller(vllm_config), num_heads, num_kv_heads, head_size,
+        self.sfi_controller = get_controller(vllm_config)
+        self.sfi = SFILayer(self.sfi_controller, num_heads, num_kv_heads, head_size,
                             float(self.scale), self._packed_buffer(vllm_config, num_kv_heads, head_size))
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
@@ -374,9 +527,19 @@ class SFIImplMixin:
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:  # per platform
         raise NotImplementedError
 
+    def _workspace(self) -> torch.Tensor:  # platforms with a uniform fast path
+        raise NotImplementedError
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         dense = super().forward  # type: ignore[misc]
+        uniform = getattr(attn_metadata, "sfi_uniform", None)
+        if uniform is not None:  # one decode token per row, all rows in one fixed-shape launch
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("sfi-vllm: fused output quantization is not supported")
+            self.sfi.fast_uniform(uniform, self._paged(kv_cache), query.view(-1, self.num_heads, self.head_size),
+                                  output.view(-1, self.num_heads, self.head_size), self._workspace())
+            return output
         step = getattr(attn_metadata, "sfi", None)
         if step is None:  # profiling / warm-up / capture run: nothing planned, all rows dense
             return dense(layer, query, key, value, kv_cache, attn_metadata, output,

