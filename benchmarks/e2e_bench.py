@@ -1,13 +1,18 @@
 """End-to-end decode throughput on the GPU, SFI vs dense, same run (vLLM 0.26, one H200).
 
-    python3 benchmarks/e2e_bench.py --out DIR --points 1x32768,6x131072
+    python3 benchmarks/e2e_bench.py --out DIR --points 1x8192,1x32768,16x16384,8x32768
+    python3 benchmarks/e2e_bench.py --out DIR --points 1x131072,6x131072 --tag -128k
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
 checkpoint with random normal weights (std 0.02, norms 1.0): not vLLM's dummy loader, whose
 +-1e-3 weights make attention flat. Prompts are random token ids; decode is greedy with
-ignore_eos. Decode throughput = generated tokens / (time of the generate call - time of the same
-prefill alone). Writes e2e-h200.jsonl (batch, context, dense_tok_s, sfi_tok_s, ratio,
-slow_step_rate) and prints it. The achievable ratio needs the kernel table of the same run.
+ignore_eos; prefix caching on, so the timed run re-prefills only the last prompt token. Decode
+throughput = batch x (new tokens - 1) / (time of the generate call - time of a cached one-token
+call). Before the engines, the same run times each point's attention per layer (attn_timing.py):
+FA3 decode, the fast-step kernel over SFI's working set, and a slow step's selection work; from
+them ``achievable_ratio`` (see :func:`achievable_ratio`). Writes e2e-h200<tag>.jsonl (batch,
+context, dense_tok_s, sfi_tok_s, ratio, achievable_ratio, slow_step_rate, the attention times) and
+prints it.
 """
 
 from __future__ import annotations
@@ -57,79 +62,136 @@ def make_model(path: Path) -> None:
     save_file(t, str(path / "model.safetensors"))
 
 
-def run(model: str, batch: int, context: int, new_tokens: int, sfi: dict | None) -> dict:
+SFI = {"preset": "balanced", "boundary_trigger": False, "reuse_budget": 20}
+# Random token ids have no sentences, so slow steps come from the first decode step and a reuse
+# budget of 20 fast steps: one slow step every 21 steps (~4.8%), the rate the sentence trigger gave
+# on real generations of our test model (1 per ~18-24 steps, docs/sfi-method.md measurements).
+
+
+def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None) -> list[dict]:
+    """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
+    pass fills the prefix cache, a cached one-token pass times the residual, then the timed run."""
     import torch
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=model, skip_tokenizer_init=True, max_model_len=context + new_tokens + 16,
-              max_num_seqs=batch, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+    kw = dict(model=model, skip_tokenizer_init=True, max_model_len=max(c for _, c in points) + new_tokens + 16,
+              max_num_seqs=max(b for b, _ in points), enable_prefix_caching=True, gpu_memory_utilization=0.92,
               max_num_batched_tokens=16384, seed=0, enforce_eager=False)
     if sfi is not None:
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
     llm = LLM(**kw)
-    g = torch.Generator().manual_seed(batch * 7 + context)
-    prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()} for _ in range(batch)]
-    pre = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    t = time.perf_counter(); llm.generate(prompts, pre, use_tqdm=False); t_pre = time.perf_counter() - t
-    t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
-    decode_tok = batch * (new_tokens - 1)
-    res = dict(prefill_s=round(t_pre, 2), generate_s=round(t_full, 2),
-               decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
-    if sfi is not None:
-        from sfi_vllm.controller import current_controller
+    out = []
+    for batch, context in points:
+        g = torch.Generator().manual_seed(batch * 7 + context)
+        prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()}
+                   for _ in range(batch)]
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_fill = time.perf_counter() - t
+        t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
+        before = _stats_totals() if sfi is not None else None
+        t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
+        decode_tok = batch * (new_tokens - 1)
+        res = dict(batch=batch, context=context, prefill_s=round(t_fill, 2), cached_first_token_s=round(t_pre, 3),
+                   generate_s=round(t_full, 3), decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
+        if sfi is not None:
+            after = _stats_totals()
+            slow, dec = after[0] - before[0], after[1] - before[1]
+            res.update(slow_step_rate=round(slow / max(dec, 1), 4),
+                       attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
+        out.append(res)
+        print("RESULT " + json.dumps(res), flush=True)
+    return out
 
-        st = current_controller().stats.snapshot().values()
-        slow = sum(s.slow_steps for s in st)
-        dec = sum(s.decode_steps for s in st)
-        res.update(slow_step_rate=round(slow / max(dec, 1), 4),
-                   attended_fraction=round(sum(s.attended_fraction for s in st) / max(len(st), 1), 4))
-    return res
+
+def _stats_totals() -> tuple[int, int, int, int]:
+    from sfi_vllm.controller import current_controller
+
+    st = current_controller().stats.snapshot().values()
+    return (sum(s.slow_steps for s in st), sum(s.decode_steps for s in st),
+            sum(s.fast_attended_tokens for s in st), sum(s.fast_context_tokens for s in st))
+
+
+def attention_times(batch: int, context: int) -> dict:
+    """Per-layer attention times of this point, same run: FA3 decode over the context, the fast-step
+    kernel over the SFI working set (CUDA-graph split count), and a slow step's selection work."""
+    import torch
+
+    from attn_timing import WINDOW, fa3_us, setup, sfi_fast_us, slow_select_us
+    from sfi_vllm.compact import selected_count, window_start
+    from sfi_vllm.config import build_config
+
+    cfg = build_config(SFI, use_env=False)
+    kv, kc, vc, bt, q = setup(batch, context)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    dense = fa3_us(q, kc, vc, bt, lens, context)
+    ws = window_start(cfg, context)
+    n_compact = cfg.sinks + selected_count(cfg, context)
+    fast, _ = sfi_fast_us(q, kc, vc, bt, lens, n_compact, ws, uniform=True)
+    select = slow_select_us(kv, q, bt, context, cfg)
+    del kv, kc, vc
+    torch.cuda.empty_cache()
+    return dict(dense_attn_us=round(dense, 1), fast_attn_us=round(fast, 1), slow_select_us=round(select, 1),
+                working_set=n_compact + context - ws, window=WINDOW)
+
+
+def achievable_ratio(row: dict, layers: int = 36) -> float:
+    """dense step / (dense step - dense attention + fast attention, with the slow steps' share:
+    a slow step is a dense step plus its selection work)."""
+    t = row["batch"] / row["dense_tok_s"]
+    rho = row["sfi_slow_step_rate"]
+    fast_step = t - layers * (row["dense_attn_us"] - row["fast_attn_us"]) * 1e-6
+    slow_step = t + layers * row["slow_select_us"] * 1e-6
+    return t / ((1 - rho) * fast_step + rho * slow_step)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--points", default="1x32768")
+    ap.add_argument("--points", default="1x8192,1x32768,16x16384,8x32768",
+                    help="BxC,... served by one engine per mode (they share max_num_seqs and max_model_len)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--mode", choices=["dense", "sfi"], default=None, help="(internal) one engine")
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--context", type=int)
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
     model = Path("/tmp/sfi-qwen3-4b-shape")
-    sfi = {"preset": "balanced", "boundary_trigger": False}  # random tokens have no sentences: reuse budget 64
+    points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     if args.mode:
-        r = run(str(model), args.batch, args.context, args.new_tokens, sfi if args.mode == "sfi" else None)
-        print("RESULT " + json.dumps(r), flush=True)
+        run(str(model), points, args.new_tokens, SFI if args.mode == "sfi" else None)
         return 0
     import subprocess
     import sys
 
+    sys.path.insert(0, str(Path(__file__).parent))
     make_model(model)
-    rows = []
-    for point in args.points.split(","):
-        b, c = (int(x) for x in point.split("x"))
-        row = dict(batch=b, context=c)
-        for mode in ("dense", "sfi"):
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            p = subprocess.run([sys.executable, __file__, "--out", args.out, "--mode", mode, "--batch", str(b),
-                                "--context", str(c), "--new-tokens", str(args.new_tokens)],
-                               capture_output=True, text=True, env=env, timeout=420)
-            lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-            if not lines:
-                row[f"{mode}_error"] = (p.stdout + p.stderr)[-2500:]
-                print(row[f"{mode}_error"])
-                continue
-            r = json.loads(lines[0][7:])
+    rows = {p: dict(batch=p[0], context=p[1], **attention_times(*p)) for p in points}
+    for p in points:
+        print(json.dumps(rows[p]), flush=True)
+    for mode in ("dense", "sfi"):
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
+                               "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, env=env)
+        results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        for r in results:
+            row = rows[(r["batch"], r["context"])]
             row[f"{mode}_tok_s"] = r["decode_tok_s"]
-            row.update({f"{mode}_{k}": v for k, v in r.items() if k != "decode_tok_s"})
+            row.update({f"{mode}_{k}": v for k, v in r.items() if k not in ("decode_tok_s", "batch", "context")})
+        if len(results) < len(points):
+            err = (proc.stdout + proc.stderr)[-3000:]
+            print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
+            for p in points:
+                rows[p].setdefault(f"{mode}_error", err[-600:])
+    out = []
+    for p in points:
+        row = rows[p]
         if "dense_tok_s" in row and "sfi_tok_s" in row:
             row["ratio"] = round(row["sfi_tok_s"] / row["dense_tok_s"], 2)
-            row["slow_step_rate"] = row.get("sfi_slow_step_rate")
-        rows.append(row)
+            row["slow_step_rate"] = row["sfi_slow_step_rate"]
+            row["achievable_ratio"] = round(achievable_ratio(row), 2)
+        out.append(row)
         print(json.dumps(row), flush=True)
-    with open(Path(args.out) / "e2e-h200.jsonl", "w") as f:
-        for r in rows:
+    with open(Path(args.out) / f"e2e-h200{args.tag}.jsonl", "w") as f:
+        for r in out:
             f.write(json.dumps(r) + "\n")
     return 0
 

@@ -16,47 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-WINDOW, SINKS = 256, 4
+sys.path.insert(0, str(Path(__file__).parent))
 
 
-def graph_time_us(fn, replays: int = 200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(times)
-
-
-def setup(batch: int, context: int, device="cuda", dtype=torch.bfloat16):
-    g = torch.Generator(device=device).manual_seed(0)
-    blocks = -(-context // PAGE)
-    nb = batch * blocks + 8
-    kv = torch.randn(nb, PAGE, HKV, 2 * D, device=device, dtype=dtype, generator=g)
-    key_cache, value_cache = kv[..., :D], kv[..., D:]
-    bt = torch.randperm(nb - 8, device=device, generator=g)[: batch * blocks].view(batch, blocks).int()
-    q = torch.randn(batch, HQ, D, device=device, dtype=dtype, generator=g)
-    return kv, key_cache, value_cache, bt, q
+from attn_timing import D, HKV, SINKS, WINDOW, graph_time_us, setup, sfi_fast_us  # noqa: E402
 
 
 def main() -> int:
@@ -65,7 +33,6 @@ def main() -> int:
     args = ap.parse_args()
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention, make_workspace
     from sfi_vllm_kernels.repack import repack
 
     scale = D ** -0.5
@@ -92,16 +59,7 @@ def main() -> int:
         n_compact = keep - WINDOW
         same = torch.full((batch,), keep, device="cuda", dtype=torch.int32)
         fa3_same = graph_time_us(fa3(q, kc, vc, bt, same, keep))
-        ck = torch.randn(batch, HKV, n_compact, D, device="cuda", dtype=q.dtype)
-        cv = torch.randn_like(ck)
-        slots = torch.arange(batch, device="cuda", dtype=torch.int32)
-        nc = torch.full((batch,), n_compact, device="cuda", dtype=torch.int32)
-        ws = lens - WINDOW
-        ns = default_num_splits(batch, HKV, keep)
-        ws_buf = make_workspace(batch, HQ, D, ns, "cuda")
-        out = torch.empty_like(q)
-        sfi_us = graph_time_us(lambda: fast_decode_attention(q, ck, cv, kc, vc, bt, slots, nc, ws, lens, scale,
-                                                             ns, out=out, workspace=ws_buf))
+        sfi_us, ns = sfi_fast_us(q, kc, vc, bt, lens, n_compact, context - WINDOW)
         nbytes = batch * keep * HKV * D * 2 * q.element_size()
         row = dict(batch=batch, context=context, retention=round(keep / context, 4), tokens=keep,
                    dense_us=round(dense_us, 1), sfi_us=round(sfi_us, 1), speedup=round(dense_us / sfi_us, 2),
@@ -109,7 +67,7 @@ def main() -> int:
                    sfi_tb_s=round(nbytes / (sfi_us * 1e-6) / 1e12, 2), splits=ns)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del kv, kc, vc, ck, cv
+        del kv, kc, vc
         torch.cuda.empty_cache()
 
     # repack: 2048 tokens x 8 heads x 16 sequences at 16K context

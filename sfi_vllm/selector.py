@@ -157,10 +157,10 @@ def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Ten
     width = max(hi) - lo
     kmax = max(k)
     assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
-    n = torch.tensor([h - lo for h in hi], device=dev, dtype=torch.float32)[:, None, None]  # (B,1,1)
+    n = torch.tensor([h - lo for h in hi], dtype=torch.float32).to(dev, non_blocking=True)[:, None, None]  # (B,1,1)
     j = torch.arange(width, device=dev, dtype=torch.float32)
     valid = j < n  # (B, 1, W)
-    neg_inf = torch.tensor(float("-inf"), device=dev)
+    neg_inf = float("-inf")
 
     # 1. evidence: power mean over the group's rows, renormalised over each row's candidates
     p = probs[..., lo:lo + width].float().clamp_min(0.0)
@@ -208,6 +208,6 @@ def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Ten
 
     # 6. top-k per row: keep each row's first k[b] by score, then sort them by position
     idx = torch.topk(log_s, kmax, dim=-1).indices
-    keep = torch.arange(kmax, device=dev)[None, None, :] < torch.tensor(k, device=dev)[:, None, None]
+    keep = torch.arange(kmax, device=dev)[None, None, :] < torch.tensor(k).to(dev, non_blocking=True)[:, None, None]
     idx = torch.where(keep, idx, torch.full_like(idx, width))
     return torch.sort(idx, dim=-1).values + lo

@@ -130,6 +130,12 @@ def make_step(
     return step
 
 
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small index tensor on ``device`` without a host sync (``torch.tensor(..., device=cuda)``
+    copies synchronously)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
     """``(2, len(rows))`` int32 host table of the fast-step kernel: the compact-buffer slot of each
     row (``-1``: no compact set, the row attends densely) and the earliest window start."""
@@ -183,7 +189,7 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
                       torch.tensor([[step.row_token[r] for r in rows]], dtype=torch.int32)])
     dev = cam.seq_lens.device
     tables = host.to(dev, non_blocking=True)
-    idx = torch.tensor(rows, device=dev)
+    idx = _to_device(rows, dev)
     step.fast_tables = FastRows(rows=len(rows), slot=tables[0], min_window_start=tables[1],
                                 seq_lens=cam.seq_lens[idx].to(torch.int32),
                                 block_table=cam.block_table_tensor[idx].to(torch.int32),
@@ -273,13 +279,13 @@ class SFILayer:
         kmax = max(k)
         positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
         positions[..., :sinks] = torch.arange(sinks, device=dev)
-        row_idx = torch.tensor(rows, device=dev)
+        row_idx = _to_device(rows, dev)
         bt = step.block_table[row_idx]
         scored = [i for i, r in enumerate(rows) if 0 < k[i] < ws[i] - sinks]
         if scored:
             key_cache, _ = paged.nhd_views()
-            sub = torch.tensor(scored, device=dev)
-            tok = torch.tensor([step.row_token[rows[i]] for i in scored], device=dev)
+            sub = _to_device(scored, dev)
+            tok = _to_device([step.row_token[rows[i]] for i in scored], dev)
             seq = torch.tensor([ctx[i] for i in scored], dtype=torch.int32).to(dev, non_blocking=True)
             logits, norms = slow_step_scores(query[tok], key_cache, bt[sub].to(torch.int32), seq,
                                              max(ctx[i] for i in scored), self.scale)

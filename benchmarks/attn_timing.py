@@ -1,0 +1,128 @@
+"""Per-layer attention timings on the GPU, shared by kernel_bench.py and e2e_bench.py.
+
+Qwen3-4B attention shape (32 query / 8 KV heads, head_dim 128, bf16, page 16). Decode kernels are
+timed under CUDA graphs (one launch captured, replayed many times, median per launch); the slow
+step's selection work (score kernel + softmax + batched Selector + repack) is timed eagerly with
+CUDA events, the way it runs in the engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+WINDOW, SINKS = 256, 4
+
+
+def graph_time_us(fn, replays: int = 200) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays)
+    return statistics.median(times)
+
+
+def eager_time_us(fn, reps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def setup(batch: int, context: int, device="cuda", dtype=torch.bfloat16):
+    g = torch.Generator(device=device).manual_seed(0)
+    blocks = -(-context // PAGE)
+    nb = batch * blocks + 8
+    kv = torch.randn(nb, PAGE, HKV, 2 * D, device=device, dtype=dtype, generator=g)
+    key_cache, value_cache = kv[..., :D], kv[..., D:]
+    bt = torch.randperm(nb - 8, device=device, generator=g)[: batch * blocks].view(batch, blocks).int()
+    q = torch.randn(batch, HQ, D, device=device, dtype=dtype, generator=g)
+    return kv, key_cache, value_cache, bt, q
+
+
+def fa3_us(q, kc, vc, bt, lens, max_len) -> float:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    B = q.shape[0]
+    cu_q = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    out = torch.empty_like(q)
+    return graph_time_us(lambda: flash_attn_varlen_func(
+        q=q, k=kc, v=vc, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens, max_seqlen_k=max_len,
+        softmax_scale=D ** -0.5, causal=True, block_table=bt, fa_version=3))
+
+
+def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform: bool = False) -> tuple[float, int]:
+    """The fast-step kernel over ``n_compact`` compact tokens + the paged window from
+    ``window_start``; ``uniform``: with the CUDA-graph split count the engine uses."""
+    from sfi_vllm_kernels.fast_decode import (default_num_splits, fast_decode_attention, make_workspace,
+                                              uniform_num_splits)
+
+    B = q.shape[0]
+    ck = torch.randn(B, HKV, n_compact, D, device=q.device, dtype=q.dtype)
+    cv = torch.randn_like(ck)
+    row_slot = torch.arange(B, device=q.device, dtype=torch.int32)
+    zeros = torch.zeros(B, device=q.device, dtype=torch.int32)
+    nc = torch.full((B,), n_compact, device=q.device, dtype=torch.int32)
+    ws = torch.full((B,), window_start, device=q.device, dtype=torch.int32)
+    keys = n_compact + int(lens.max()) - window_start
+    ns = uniform_num_splits(B, HKV) if uniform else default_num_splits(B, HKV, keys)
+    work = make_workspace(B, HQ, D, ns, q.device)
+    out = torch.empty_like(q)
+    us = graph_time_us(lambda: fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, lens, nc, ws,
+                                                     D ** -0.5, ns, out=out, workspace=work))
+    return us, ns
+
+
+def slow_select_us(kv, q, bt, context: int, cfg) -> float:
+    """One layer's selection work at a slow step for every row (all rows slow): score kernel,
+    softmax, batched Selector, one repack: what ``SFILayer._refresh_packed`` launches."""
+    from sfi_vllm.compact import PackedCompactBuffer, selected_count, window_start
+    from sfi_vllm.paged_kv import PagedKV
+    from sfi_vllm.selector import Selector, select_batched
+    from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+    B = q.shape[0]
+    paged = PagedKV(kv.permute(0, 2, 1, 3), "flash", D)
+    kc, _ = paged.nhd_views()
+    ws = window_start(cfg, context)
+    k = selected_count(cfg, context)
+    sinks = cfg.sinks
+    buf = PackedCompactBuffer(B, HKV, sinks + k, D, q.dtype, q.device)
+    sel = Selector(cfg.selector)
+    lens = torch.full((B,), context, device=q.device, dtype=torch.int32)
+
+    def work():
+        logits, norms = slow_step_scores(q, kc, bt, lens, context, D ** -0.5)
+        probs = torch.softmax(logits, dim=-1)
+        chosen = select_batched(sel, probs, norms, sinks, [ws] * B, [k] * B)
+        pos = torch.empty(B, HKV, sinks + k, dtype=torch.long, device=q.device)
+        pos[..., :sinks] = torch.arange(sinks, device=q.device)
+        pos[..., sinks:] = chosen
+        buf.pack_rows(list(range(B)), [1] * B, paged, bt, pos, [sinks + k] * B, [ws] * B)
+
+    return eager_time_us(work)
