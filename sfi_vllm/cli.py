@@ -58,6 +58,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sfi_vllm.quality.fidelity import markdown, run_fidelity
+
+    rows = run_fidelity(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
+                        contexts=[int(x) for x in args.contexts.split(",")], docs=args.docs, tokens=args.tokens,
+                        seed=args.seed, out=args.out, raw_out=args.raw, instruction=args.instruction,
+                        free_running=not args.no_free_running, ignore_eos=not args.stop_at_eos,
+                        max_num_seqs=args.max_num_seqs)
+    table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]))
+    if args.report:
+        Path(args.report).write_text(table)
+        print(f"wrote {args.report}")
+    print(table)
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from sfi_vllm.quality.report import write_report
 
@@ -101,6 +119,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--report", default=None, help="prefix for the markdown table and plot")
     ev.add_argument("--title", default="sfi-vllm quality suite")
     ev.set_defaults(func=_cmd_eval)
+
+    from sfi_vllm.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
+
+    fid = sub.add_parser("fidelity", help="teacher-forced top-1 agreement and KL of each policy against dense")
+    fid.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="dense is always included")
+    fid.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
+    fid.add_argument("--contexts", default="2048", help="context sizes in tokens (prompt + continuation)")
+    fid.add_argument("--docs", type=int, default=3, help="documents per context")
+    fid.add_argument("--tokens", type=int, default=128, help="T: teacher-forced decode steps per document")
+    fid.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each document")
+    fid.add_argument("--seed", type=int, default=0, help="chooses the documents")
+    fid.add_argument("--no-free-running", action="store_true", help="skip the free-running divergence runs")
+    fid.add_argument("--stop-at-eos", action="store_true",
+                     help="let dense's continuation end at EOS (default: T tokens, EOS ignored)")
+    fid.add_argument("--max-num-seqs", type=int, default=8)
+    fid.add_argument("--out", default="fidelity.jsonl", help="JSON lines, one per policy x context x retention")
+    fid.add_argument("--raw", default=None, help="also write every request's per-step records here")
+    fid.add_argument("--report", default=None, help="also write the markdown table here")
+    fid.set_defaults(func=_cmd_fidelity)
 
     rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")
     rep.add_argument("jsonl")

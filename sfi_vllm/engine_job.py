@@ -60,8 +60,16 @@ class EngineJob:
     # Alternatively, requests with their own settings: {"prompt": str, "max_tokens": int,
     # "sfi": per-request SFI overrides or None, "phase": int}. Phases run one after another (a later
     # phase can reuse an earlier one's prefix-cached prompts); results keep the requests' order.
+    # Optional keys: "ignore_eos" (bool), "logprobs" (int: vLLM's top-k logprobs per step, returned
+    # as "logprobs": [{token id: logprob}, ...]), "extra_args" (dict, merged into
+    # SamplingParams.extra_args next to "sfi"), "force_from" (index of a request of an earlier
+    # phase: its output token ids become extra_args["force"]["tokens"], see
+    # sfi_vllm.quality.forcing).
     requests: list[dict[str, Any]] | None = None
     progress: bool = False  # vLLM's own progress bar (stderr)
+    # "module:function" names called without arguments after generation, in the engine's process;
+    # their JSON-able results are returned under "collected" (e.g. sfi_vllm.quality.forcing:collect)
+    collect: list[str] = field(default_factory=list)
 
 
 def _run(job: EngineJob) -> dict[str, Any]:
@@ -84,10 +92,7 @@ def _run(job: EngineJob) -> dict[str, Any]:
         for phase in sorted({r.get("phase", 0) for r in job.requests}):
             idx = [i for i, r in enumerate(job.requests) if r.get("phase", 0) == phase]
             msgs = [[{"role": "user", "content": job.requests[i]["prompt"]}] for i in idx]
-            sps = [SamplingParams(max_tokens=job.requests[i].get("max_tokens", job.max_tokens),
-                                  temperature=0.0,
-                                  extra_args={"sfi": job.requests[i]["sfi"]} if job.requests[i].get("sfi") else None)
-                   for i in idx]
+            sps = [_request_params(SamplingParams, job.requests[i], job.max_tokens, outs) for i in idx]
             for i, o in zip(idx, llm.chat(msgs, sps, use_tqdm=job.progress)):
                 outs[i] = o
     elif job.prompt_token_ids is not None:
@@ -102,6 +107,8 @@ def _run(job: EngineJob) -> dict[str, Any]:
         c = o.outputs[0]
         results.append(dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
                             text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason))
+        if c.logprobs is not None:
+            results[-1]["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
     stats = {}
     from sfi_vllm.controller import current_controller, external_request_id
 
@@ -114,11 +121,33 @@ def _run(job: EngineJob) -> dict[str, Any]:
         config = ctl.cfg.model_dump()
     else:
         boundary, skips, config = [], [], None
+    import importlib
+
     import vllm
 
+    collected = {}
+    for name in job.collect:
+        mod, fn = name.split(":")
+        collected[name] = getattr(importlib.import_module(mod), fn)()
     return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen,
                 vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
-                boundary_skips=skips)
+                boundary_skips=skips, collected=collected)
+
+
+def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: list) -> Any:
+    """Greedy SamplingParams for one entry of ``EngineJob.requests``."""
+    extra = dict(req.get("extra_args") or {})
+    if req.get("sfi"):
+        extra["sfi"] = req["sfi"]
+    n = req.get("max_tokens", max_tokens)
+    if req.get("force_from") is not None:
+        src = outs[req["force_from"]]
+        if src is None:
+            raise ValueError("force_from must name a request of an earlier phase")
+        extra["force"] = {**extra.get("force", {}), "tokens": list(src.outputs[0].token_ids)}
+        n = req.get("max_tokens", len(extra["force"]["tokens"]))
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=bool(req.get("ignore_eos", False)),
+                          logprobs=req.get("logprobs"), extra_args=extra or None)
 
 
 def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: bool = True,
