@@ -99,12 +99,13 @@ def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform:
 
 
 def slow_select_us(kv, q, bt, context: int, cfg) -> float:
-    """One layer's selection work at a slow step for every row (all rows slow): score kernel,
-    softmax, batched Selector, one repack: what ``SFILayer._refresh_packed`` launches."""
+    """One layer's selection work at a slow step for every row (all rows slow), as
+    ``SFILayer._refresh_packed`` launches it: score kernel + the selection CUDA graph
+    (``SlowStepSelection``, captured before timing), positions assembled, one repack."""
+    from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.compact import PackedCompactBuffer, selected_count, window_start
     from sfi_vllm.paged_kv import PagedKV
-    from sfi_vllm.selector import Selector, select_batched
-    from sfi_vllm_kernels.slow_scores import slow_step_scores
+    from sfi_vllm.selector import Selector
 
     B = q.shape[0]
     paged = PagedKV(kv.permute(0, 2, 1, 3), "flash", D)
@@ -114,12 +115,11 @@ def slow_select_us(kv, q, bt, context: int, cfg) -> float:
     sinks = cfg.sinks
     buf = PackedCompactBuffer(B, HKV, sinks + k, D, q.dtype, q.device)
     sel = Selector(cfg.selector)
+    graphs = SlowStepSelection()
     lens = torch.full((B,), context, device=q.device, dtype=torch.int32)
 
     def work():
-        logits, norms = slow_step_scores(q, kc, bt, lens, context, D ** -0.5)
-        probs = torch.softmax(logits, dim=-1)
-        chosen = select_batched(sel, probs, norms, sinks, [ws] * B, [k] * B)
+        chosen = graphs.select(sel, q, kc, bt, lens, [context] * B, sinks, [ws] * B, [k] * B, D ** -0.5)
         pos = torch.empty(B, HKV, sinks + k, dtype=torch.long, device=q.device)
         pos[..., :sinks] = torch.arange(sinks, device=q.device)
         pos[..., sinks:] = chosen

@@ -70,13 +70,17 @@ SFI = {"preset": "balanced", "boundary_trigger": False, "reuse_budget": 20}
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
-    pass fills the prefix cache, a cached one-token pass times the residual, then the timed run."""
+    pass fills the prefix cache, a short warm-up decode compiles what the first decode steps need
+    (Triton kernels, SFI's selection graph for this context), a cached one-token pass times the
+    residual, then the timed run. CUDA-graph capture sizes include every batch of the run, so
+    each batch replays a graph of its own size in both modes."""
     import torch
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, skip_tokenizer_init=True, max_model_len=max(c for _, c in points) + new_tokens + 16,
               max_num_seqs=max(b for b, _ in points), enable_prefix_caching=True, gpu_memory_utilization=0.92,
-              max_num_batched_tokens=16384, seed=0, enforce_eager=False)
+              max_num_batched_tokens=16384, seed=0, enforce_eager=False,
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, *(b for b, _ in points)})})
     if sfi is not None:
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
     llm = LLM(**kw)
@@ -88,6 +92,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_fill = time.perf_counter() - t
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
         before = _stats_totals() if sfi is not None else None
         t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t

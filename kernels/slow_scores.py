@@ -51,15 +51,19 @@ def _slow_scores(Q, KC, BT, SEQ, LOGITS, NORMS,
 
 
 def slow_step_scores(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, width: int, scale: float,
-                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     seq_lens: torch.Tensor, width: int, scale: float, block_n: int = 64,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Hq, D)`` against ``key_cache (blocks, page, Hkv, D)`` through ``block_table (B, .)``
-    -> ``(logits (B, Hkv, G, width), key_norms (B, Hkv, width))``, float32."""
+    -> ``(logits (B, Hkv, G, width), key_norms (B, Hkv, width))``, float32 (into ``out`` if given)."""
     B, Hq, D = q.shape
     Hkv = key_cache.shape[2]
     G = Hq // Hkv
-    logits = torch.empty(B, Hkv, G, width, dtype=torch.float32, device=q.device)
-    norms = torch.empty(B, Hkv, width, dtype=torch.float32, device=q.device)
+    if out is not None:
+        logits, norms = out
+        assert logits.shape == (B, Hkv, G, width) and norms.shape == (B, Hkv, width)
+    else:
+        logits = torch.empty(B, Hkv, G, width, dtype=torch.float32, device=q.device)
+        norms = torch.empty(B, Hkv, width, dtype=torch.float32, device=q.device)
     assert q.stride(-1) == 1 and key_cache.stride(-1) == 1
     _slow_scores[(B, Hkv, triton.cdiv(width, block_n))](
         q, key_cache, block_table, seq_lens, logits, norms,

@@ -83,6 +83,7 @@ class SFIController:
         self.stats = StatsRegistry(cfg.stats_file)
         self.buffers: list[CompactBuffer] = []
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
+        self._slow_selection = None
         self.current_plan: StepPlan | None = None
         self.planned_steps = 0
         boundary = self._boundary_tokens(vllm_config)
@@ -121,6 +122,15 @@ class SFIController:
             len(boundary.skips),
         )
         return boundary
+
+    @property
+    def slow_selection(self):
+        """The GPU slow step's selection graphs (:mod:`sfi_vllm.backends.selection`), shared by layers."""
+        if self._slow_selection is None:
+            from sfi_vllm.backends.selection import SlowStepSelection
+
+            self._slow_selection = SlowStepSelection()
+        return self._slow_selection
 
     def register_buffer(self, buf: CompactBuffer) -> None:
         self.buffers.append(buf)

@@ -151,19 +151,31 @@ def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Ten
     padding). Every row must have ``0 < k[b] <= hi[b] - lo``. Row ``b`` equals
     ``selector.select(probs[b], key_norms[b, :, lo:hi[b]], lo, hi[b], k[b])`` up to ties.
     """
+    assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
+    dev = probs.device
+    n = torch.tensor([h - lo for h in hi], dtype=torch.float32).to(dev, non_blocking=True)
+    kt = torch.tensor(k, dtype=torch.long).to(dev, non_blocking=True)
+    width = max(hi)
+    return select_batched_static(selector, probs[..., :width], key_norms[..., :width], lo, n, kt, max(k),
+                                 num_query_rows)
+
+
+def select_batched_static(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,
+                          n: torch.Tensor, k: torch.Tensor, kmax: int, num_query_rows: int = 1) -> torch.Tensor:
+    """:func:`select_batched` with fixed shapes (capturable in a CUDA graph): the candidates of
+    row ``b`` are ``[lo, lo + n[b])`` (``n`` float32 on the device), it keeps ``k[b] <= kmax``
+    (int64 on the device); positions past a row's candidates in the ``W``-wide frame are ignored."""
     c = selector.cfg
     B, hkv = probs.shape[:2]
     dev = probs.device
-    width = max(hi) - lo
-    kmax = max(k)
-    assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
-    n = torch.tensor([h - lo for h in hi], dtype=torch.float32).to(dev, non_blocking=True)[:, None, None]  # (B,1,1)
+    width = probs.shape[-1] - lo
+    n = n[:, None, None]
     j = torch.arange(width, device=dev, dtype=torch.float32)
     valid = j < n  # (B, 1, W)
     neg_inf = float("-inf")
 
     # 1. evidence: power mean over the group's rows, renormalised over each row's candidates
-    p = probs[..., lo:lo + width].float().clamp_min(0.0)
+    p = probs[..., lo:].float().clamp_min(0.0)
     pooled = p.pow(c.alpha).mean(dim=2).pow(1.0 / c.alpha) * valid
     total = pooled.sum(dim=-1, keepdim=True)
     f = torch.where(total > 0, pooled / total.clamp_min(_EPS), valid / n)
@@ -179,7 +191,7 @@ def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Ten
     if c.use_prior:
         u = j / (n - 1).clamp_min(1.0)
         pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log((1.0 - u).clamp_min(_EPS))
-        norm = -c.gamma * torch.log(key_norms[..., lo:lo + width].float().clamp_min(_EPS))
+        norm = -c.gamma * torch.log(key_norms[..., lo:].float().clamp_min(_EPS))
         log_r = torch.where(valid, c.w_norm * norm + c.w_pos * pos, neg_inf)
         log_r = log_r - torch.logsumexp(log_r, dim=-1, keepdim=True)
         r = log_r.exp()
@@ -208,6 +220,6 @@ def select_batched(selector: Selector, probs: torch.Tensor, key_norms: torch.Ten
 
     # 6. top-k per row: keep each row's first k[b] by score, then sort them by position
     idx = torch.topk(log_s, kmax, dim=-1).indices
-    keep = torch.arange(kmax, device=dev)[None, None, :] < torch.tensor(k).to(dev, non_blocking=True)[:, None, None]
+    keep = torch.arange(kmax, device=dev)[None, None, :] < k[:, None, None]
     idx = torch.where(keep, idx, torch.full_like(idx, width))
     return torch.sort(idx, dim=-1).values + lo

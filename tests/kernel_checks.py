@@ -211,6 +211,36 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     return err
 
 
+def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
+                           seq_lens=(3000, 2900, 2500), k=(300, 300, 250), seed=4):
+    """SlowStepSelection (CUDA graph per shape) against the eager batched Selector, for two
+    different batches of the same shape: the replay must read each call's inputs."""
+    from sfi_vllm.backends.selection import SlowStepSelection
+    from sfi_vllm.config import SelectorConfig
+    from sfi_vllm.selector import Selector, select_batched
+    from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+    g = torch.Generator().manual_seed(seed)
+    sel = Selector(SelectorConfig())
+    graphs = SlowStepSelection()
+    lo = 4
+    for trial in range(2):
+        nb, bt = block_tables(seq_lens, page, 3, g, device)
+        paged, kc, _ = paged_cache(nb, page, hkv, d, dtype, device, g)
+        q = torch.randn(len(seq_lens), hq, d, generator=g).to(device, dtype)
+        seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        hi = [s - 100 - 10 * trial for s in seq_lens]
+        got = graphs.select(sel, q, kc, bt, seq, list(seq_lens), lo, hi, list(k), d ** -0.5).clone()
+        logits, norms = slow_step_scores(q, kc, bt, seq, max(seq_lens), d ** -0.5)
+        ref = select_batched(sel, torch.softmax(logits, -1), norms, lo, hi, list(k))
+        for b, kk in enumerate(k):
+            a, r = got[b, :, :kk], ref[b, :, :kk]
+            agree = sum(len(set(a[h].tolist()) & set(r[h].tolist())) for h in range(hkv)) / (hkv * kk)
+            assert agree > 0.99, (trial, b, agree)
+    assert graphs.captures == (1 if device == "cuda" else 0)
+    return 0.0
+
+
 def run_all(device: str) -> None:
     if device == "cpu":  # Triton's interpreter: small shapes, no bf16 in numpy
         for dtype in (torch.float32, torch.float16):
@@ -223,6 +253,7 @@ def run_all(device: str) -> None:
             assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
+        check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):
@@ -234,6 +265,7 @@ def run_all(device: str) -> None:
             check_repack(device, dtype, hkv=hkv, d=d)
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
+            check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
     print("kernel checks passed (cuda)")
 
 

@@ -263,10 +263,8 @@ class SFILayer:
 
     def _refresh_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, rows: list[int]) -> None:
         """Slow rows of one selector setting, batched: scores from the Triton score kernel, the
-        batched Selector (tensor ops, no host sync), one repack launch."""
-        from sfi_vllm.selector import select_batched
-        from sfi_vllm_kernels.slow_scores import slow_step_scores
-
+        batched Selector (tensor ops, no host sync, replayed from a CUDA graph:
+        :class:`sfi_vllm.backends.selection.SlowStepSelection`), one repack launch."""
         plan, buf = step.plan, self.packed
         assert buf is not None
         cfg0 = plan.configs[rows[0]]
@@ -287,11 +285,9 @@ class SFILayer:
             sub = _to_device(scored, dev)
             tok = _to_device([step.row_token[rows[i]] for i in scored], dev)
             seq = torch.tensor([ctx[i] for i in scored], dtype=torch.int32).to(dev, non_blocking=True)
-            logits, norms = slow_step_scores(query[tok], key_cache, bt[sub].to(torch.int32), seq,
-                                             max(ctx[i] for i in scored), self.scale)
-            probs = torch.softmax(logits, dim=-1)
-            sel = select_batched(self.selector(cfg0), probs, norms, sinks, [ws[i] for i in scored],
-                                 [k[i] for i in scored], num_query_rows=1)
+            sel = self.controller.slow_selection.select(
+                self.selector(cfg0), query[tok], key_cache, bt[sub].to(torch.int32), seq,
+                [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale)
             positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
         for i in range(len(rows)):
             if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits

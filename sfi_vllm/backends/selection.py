@@ -1,0 +1,109 @@
+"""SlowStepSelection: the GPU slow step's selection work, captured in CUDA graphs.
+
+A slow step re-selects every layer's compact set: score kernel (``sfi_vllm_kernels.slow_scores``),
+softmax, then the batched Selector (:func:`sfi_vllm.selector.select_batched_static`), about a
+hundred small tensor ops. Launched one by one that work is bound by the host (measured on the
+H200: 2.4 ms of launch time per layer for 0.8 ms of GPU time at 8 x 32K). Its shapes depend only
+on the number of slow rows, the candidate frame and K, so it is captured once per shape in a CUDA
+graph and replayed for every layer and every later slow step of that shape:
+
+* the frame width is the largest context rounded up to ``WIDTH_BUCKET`` tokens (positions past a
+  row's context are masked), so a new graph is needed only every ``WIDTH_BUCKET`` tokens of growth;
+* per-row candidate counts and budgets are device inputs of the graph; the score kernel (whose
+  key-cache pointer differs per layer) runs outside the graph into the graph's static input.
+
+The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted). Without CUDA (tests on
+the CPU, Triton's interpreter) the same body runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sfi_vllm.selector import Selector, select_batched_static
+
+WIDTH_BUCKET = 2048
+MAX_GRAPHS = 4
+
+
+@dataclass
+class _Entry:
+    logits: torch.Tensor  # (R, Hkv, G, W) float32, static input
+    norms: torch.Tensor  # (R, Hkv, W) float32, static input
+    counts: torch.Tensor  # (R,) float32: candidates per row
+    budgets: torch.Tensor  # (R,) int64: K per row
+    positions: torch.Tensor | None = None  # (R, Hkv, kmax) int64, static output
+    graph: Any = None
+
+
+class SlowStepSelection:
+    def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
+        self.max_graphs = max_graphs
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.captures = 0
+
+    @staticmethod
+    def frame_width(max_context: int) -> int:
+        return -(-max_context // WIDTH_BUCKET) * WIDTH_BUCKET
+
+    def select(self, selector: Selector, q: torch.Tensor, key_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, contexts: list[int], lo: int,
+               hi: list[int], k: list[int], scale: float) -> torch.Tensor:
+        """Positions ``(R, Hkv, max(k))`` (row ``b``'s first ``k[b]`` ascending) for the slow rows
+        whose queries are ``q (R, Hq, D)``; see :func:`sfi_vllm.selector.select_batched`."""
+        from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+        assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
+        rows, hq, _ = q.shape
+        hkv = key_cache.shape[2]
+        width = self.frame_width(max(contexts))
+        kmax = max(k)
+        key = (rows, hkv, hq // hkv, width, kmax, lo, selector.cfg, q.device)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key)
+        self._entries.move_to_end(key)
+        slow_step_scores(q, key_cache, block_table, seq_lens, width, scale, out=(entry.logits, entry.norms))
+        host = torch.tensor([[h - lo for h in hi], k], dtype=torch.float64)
+        entry.counts.copy_(host[0], non_blocking=True)
+        entry.budgets.copy_(host[1], non_blocking=True)
+
+        def body() -> torch.Tensor:
+            probs = torch.softmax(entry.logits, dim=-1)
+            return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)
+
+        if q.device.type != "cuda":
+            return body()
+        if entry.graph is None:
+            self._capture(entry, body)
+        entry.graph.replay()
+        assert entry.positions is not None
+        return entry.positions
+
+    def _new_entry(self, key: tuple) -> _Entry:
+        rows, hkv, g, width, _, _, _, device = key
+        while len(self._entries) >= self.max_graphs:
+            self._entries.popitem(last=False)
+        z = dict(dtype=torch.float32, device=device)
+        entry = _Entry(logits=torch.empty(rows, hkv, g, width, **z), norms=torch.empty(rows, hkv, width, **z),
+                       counts=torch.empty(rows, **z), budgets=torch.empty(rows, dtype=torch.long, device=device))
+        self._entries[key] = entry
+        return entry
+
+    def _capture(self, entry: _Entry, body) -> None:
+        # warm up on a side stream (lazily initialised kernels and workspaces), then capture
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            body()
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            entry.positions = body()
+        entry.graph = graph
+        self.captures += 1
