@@ -78,7 +78,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, skip_tokenizer_init=True, max_model_len=max(c for _, c in points) + new_tokens + 16,
-              max_num_seqs=max(b for b, _ in points), enable_prefix_caching=True, gpu_memory_utilization=0.92,
+              max_num_seqs=max(b for b, _ in points), enable_prefix_caching=True,
+              gpu_memory_utilization=float(os.environ.get("SFI_BENCH_GPU_MEM", "0.92")),
               max_num_batched_tokens=16384, seed=0, enforce_eager=False,
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, *(b for b, _ in points)})})
     if sfi is not None:
