@@ -61,13 +61,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_fidelity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sfi_vllm.quality.fidelity import markdown, run_fidelity
+    from sfi_vllm.quality.fidelity import markdown, rows_from_raw, run_fidelity
 
-    rows = run_fidelity(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
-                        contexts=[int(x) for x in args.contexts.split(",")], docs=args.docs, tokens=args.tokens,
-                        seed=args.seed, out=args.out, raw_out=args.raw, instruction=args.instruction,
-                        free_running=not args.no_free_running, ignore_eos=not args.stop_at_eos,
-                        max_num_seqs=args.max_num_seqs)
+    if args.from_raw:
+        rows = rows_from_raw(args.from_raw, args.out)
+    else:
+        rows = run_fidelity(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
+                            contexts=[int(x) for x in args.contexts.split(",")], docs=args.docs,
+                            tokens=args.tokens, seed=args.seed, out=args.out, raw_out=args.raw,
+                            instruction=args.instruction, free_running=not args.no_free_running,
+                            ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs)
     table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]))
     if args.report:
         Path(args.report).write_text(table)
@@ -137,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--out", default="fidelity.jsonl", help="JSON lines, one per policy x context x retention")
     fid.add_argument("--raw", default=None, help="also write every request's per-step records here")
     fid.add_argument("--report", default=None, help="also write the markdown table here")
+    fid.add_argument("--from-raw", default=None, metavar="RAW",
+                     help="no engine: summarize a --raw file of an earlier run into --out (and --report)")
     fid.set_defaults(func=_cmd_fidelity)
 
     rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")

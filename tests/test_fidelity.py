@@ -10,7 +10,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from sfi_vllm.quality import forcing
-from sfi_vllm.quality.fidelity import build_requests, raw_check, summarize
+from sfi_vllm.quality.fidelity import build_requests, raw_check, repeated_steps, summarize
 from sfi_vllm.quality.forcing import STORE, ForceTokens, collect, compare
 
 V = 50
@@ -159,6 +159,18 @@ def test_raw_check_and_summary():
     assert row["top1_agreement"] == 0.5 and row["kl_mean"] == pytest.approx(0.2)
     assert row["n_steps"] == 2 and row["ref_self_top1"] == 1.0 and row["free_agree_tokens"] == 1.0
     assert row["free_identical"] == 0.0 and "full vocabulary" in row["kl_method"]
+    assert "top1_fresh" not in row  # no dense continuation to find repeats in
+    dense = dict(kind="free-dense", context=64, doc=0, token_ids=[5, 6, 7])
+    (row,) = summarize([dense, ref, forced, free], tokens=2)
+    assert row["n_fresh_steps"] == 2 and row["top1_fresh"] == 0.5 and row["kl_mean_fresh"] == pytest.approx(0.2)
+
+
+def test_repeated_steps():
+    ids = [1, 2, 3, 4, 2, 3, 4, 5, 3, 4]
+    #              steps: 1  2  3  4  5  6  7  8  9
+    assert repeated_steps(ids, n=2) == [False, False, False, False, True, True, False, False, True]
+    assert repeated_steps(ids, n=3) == [False, False, False, False, False, True, False, False, False]
+    assert repeated_steps([7] * 12) == [False] * 7 + [True] * 4
 
 
 # --------------------------------------------------------------------------- real engine

@@ -24,7 +24,10 @@ left out):
 * ``free_agree_tokens``: free-running decode tokens before the first token that differs from the
   dense continuation (``T`` if none does), mean over documents; ``free_identical`` the share of
   documents with no difference in ``T`` tokens;
-* ``measured_retention`` and ``slow_step_rate`` of the forced runs, from the worker's statistics.
+* ``measured_retention`` and ``slow_step_rate`` of the forced runs, from the worker's statistics;
+* ``top1_fresh`` / ``kl_mean_fresh`` over ``n_fresh_steps``: the same on the steps whose dense token
+  does not complete an 8-gram already in the continuation (a small model's greedy text falls into
+  loops, which any policy that keeps the recent window predicts; those steps inflate ``top1``).
 
 Checks recorded on every row: ``ref_self_top1`` (the reference's argmax equals the token it was
 forced on, i.e. dense free-running and dense forced agree) and ``raw_check_mismatches`` (steps
@@ -163,9 +166,27 @@ def per_request(keys: list[tuple], res: dict[str, Any], tokens: int) -> list[dic
     return recs
 
 
+REPEAT_NGRAM = 8
+
+
+def repeated_steps(ids: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
+    """For decode steps 1..len(ids)-1: does token ``ids[s]`` complete an ``n``-gram of ``ids`` that
+    already ended at an earlier position?"""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for s in range(len(ids)):
+        g = tuple(ids[s - n + 1:s + 1]) if s >= n - 1 else None
+        if s >= 1:
+            out.append(g is not None and g in seen)
+        if g is not None:
+            seen.add(g)
+    return out
+
+
 def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     """One row per policy x context x retention."""
     refs = {(p["context"], p["doc"]): p for p in recs if p["kind"] == "ref"}
+    repeats = {(p["context"], p["doc"]): repeated_steps(p["token_ids"]) for p in recs if p["kind"] == "free-dense"}
     rows = []
     groups: dict[tuple, list[dict]] = {}
     for p in recs:
@@ -194,6 +215,11 @@ def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
                    slow_step_rate=round(sum(p["slow_steps"] for p in items) / dec, 4) if dec else None,
                    ref_self_top1=round(statistics.fmean(ref_self), 4),
                    raw_check_mismatches=sum(p["raw_check_mismatches"] for p in items))
+        if all((ctx, p["doc"]) in repeats for p in items):
+            fresh = [(t, k) for p in items for t, k, rep in zip(p["top1"], p["kl"], repeats[(ctx, p["doc"])]) if not rep]
+            row.update(n_fresh_steps=len(fresh),
+                       top1_fresh=round(statistics.fmean(t for t, _ in fresh), 4) if fresh else None,
+                       kl_mean_fresh=round(statistics.fmean(k for _, k in fresh), 5) if fresh else None)
         fitems = free.get((pol, ctx, r))
         if fitems:
             row.update(free_agree_tokens=round(statistics.fmean(p["agree_tokens"] for p in fitems), 1),
@@ -237,13 +263,20 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
                          env=cpu_engine_env(kv_cache_gib), quiet=not progress)
     print(f"engine finished in {time.time() - t0:.0f} s (generate {res['generate_s']:.0f} s)", flush=True)
     recs = per_request(keys, res, tokens)
+    for p in recs:
+        p["vllm_version"] = res["vllm_version"]
     if raw_out:
         with open(raw_out, "w") as f:
             for p in recs:
                 f.write(json.dumps(p) + "\n")
+    return _write_rows(recs, tokens, out)
+
+
+def _write_rows(recs: list[dict[str, Any]], tokens: int, out: str) -> list[dict[str, Any]]:
     rows = summarize(recs, tokens)
+    version = next((p["vllm_version"] for p in recs if p.get("vllm_version")), None)
     for row in rows:
-        row["vllm_version"] = res["vllm_version"]
+        row["vllm_version"] = version
     bad = sum(r["raw_check_mismatches"] for r in rows)
     if bad:
         print(f"WARNING: {bad} steps where the recorded argmax differs from vLLM's raw logprobs", flush=True)
@@ -254,6 +287,16 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
     return rows
 
 
+def rows_from_raw(raw: str, out: str, vllm_version: str | None = None) -> list[dict[str, Any]]:
+    """Summarize a ``--raw`` file again (no engine): the rows ``run_fidelity`` writes."""
+    with open(raw) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    for p in recs:
+        p.setdefault("vllm_version", vllm_version)
+    tokens = max(len(p["top1"]) for p in recs if p["kind"] == "forced")
+    return _write_rows(recs, tokens, out)
+
+
 def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity", command: str | None = None) -> str:
     lines = [f"# {title}", ""]
     if command:
@@ -262,11 +305,15 @@ def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity",
               "dense's greedy continuation). `KL`: " + KL_METHOD + ".",
               "`nll+`: mean increase of the dense token's negative log-likelihood. `free agree`: free-running",
               "decode tokens before the first difference from dense (mean over documents).", "",
-              "| context | retention | policy | top1 | KL mean | KL p50 | KL p90 | nll+ | measured | slow-step rate | free agree | docs x steps |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "`top1 fresh` / `KL fresh`: only the steps whose dense token does not complete an 8-gram already",
+              "in the continuation (repetition loops excluded).", "",
+              "| context | retention | policy | top1 | KL mean | KL p50 | KL p90 | top1 fresh | KL fresh | nll+ | measured | slow-step rate | free agree | docs x steps |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        fresh = (f"{100 * r['top1_fresh']:.1f}% ({r['n_fresh_steps']}) | {r['kl_mean_fresh']:.4f}"
+                 if r.get("top1_fresh") is not None else "- | -")
         lines.append(f"| {r['context']} | {r['retention']:.2f} | {r['policy']} | {100 * r['top1_agreement']:.1f}% | "
-                     f"{r['kl_mean']:.4f} | {r['kl_p50']:.4f} | {r['kl_p90']:.4f} | {r['nll_delta']:.4f} | "
+                     f"{r['kl_mean']:.4f} | {r['kl_p50']:.4f} | {r['kl_p90']:.4f} | {fresh} | {r['nll_delta']:.4f} | "
                      f"{r['measured_retention']} | {r['slow_step_rate']} | {r.get('free_agree_tokens', '-')} | "
                      f"{r['n_docs']} x {r['tokens']} |")
     return "\n".join(lines) + "\n"
