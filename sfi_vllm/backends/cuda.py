@@ -10,7 +10,8 @@ Two kinds of step:
 * **Eager steps** (prefill rows, slow rows, Quest rows): the runner hook steers them to vLLM's
   piecewise graphs (attention eager). FlashAttention runs the kernel rows (prefill, dense, slow);
   slow rows are then scored by the Triton score kernel, re-selected by the batched Selector (torch
-  tensor ops, no host sync) and repacked in one launch; fast rows run the fast-step kernel.
+  tensor ops replayed from a CUDA graph per shape, :mod:`sfi_vllm.backends.selection`) and
+  repacked in one launch; fast rows run the fast-step kernel.
 
 With ``sfi.kernels="torch"`` the plain-torch reference serves fast and slow rows (no packed
 buffers, no uniform path). Not done yet: a second CUDA stream for the selector (slow steps run it
@@ -19,7 +20,10 @@ sampled tokens (one device sync per step, which also stalls vLLM's async schedul
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
 before sizing the KV cache): ``2 x max_num_seqs x kv_heads x (sinks + K_max) x head_size x dtype
-bytes``, logged at start-up.
+bytes``, logged at start-up, as is the uniform path's fp32 scratch (shared by the layers). Not
+counted by the profiling: a slow step's selection buffers (fp32 logits of the slow rows over the
+frame, and the selection graph's pool), allocated at the first slow step of each shape from the
+memory vLLM leaves free.
 """
 
 from __future__ import annotations
