@@ -13,7 +13,9 @@ tokens / context tokens) at a context length.
 * ``quest``: Quest-style: at every step, pick the 16-token pages whose per-page key min/max bound
   ``q . k`` highest (per KV head, max over its query heads), within the budget.
 * ``sfi`` and ablations: ``sfi-no-prior``, ``sfi-no-nms``, ``sfi-no-exclusivity``,
-  ``sfi-interval`` (reuse budget only), ``sfi-boundary`` (sentence boundaries only).
+  ``sfi-interval`` (reuse budget only), ``sfi-boundary`` (sentence boundaries only), and
+  ``sfi-wide-window`` (the window takes half the budget instead of a quarter: tests whether the
+  split, not the Selector, decides prompt-end questions at small budgets).
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-no-exclusivity": {"policy": "sfi", "selector": {"use_exclusivity": False}},
     "sfi-interval": {"policy": "sfi", "boundary_trigger": False},
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
+    "sfi-wide-window": {"policy": "sfi"},
 }
+_WINDOW_SHARE = {"sfi-wide-window": 0.5}  # of the budget; every other selecting policy: 0.25
 POLICIES = tuple(_POLICY)
 
 
-def working_set(retention: float, context: int) -> tuple[int, int, int]:
+def working_set(retention: float, context: int, window_share: float = 0.25) -> tuple[int, int, int]:
     """``(sinks, window, selected)`` tokens for a retention at a context length."""
     total = max(SINKS + 16, round(retention * context))
-    window = max(16, min(MAX_WINDOW, (total // 4) // 16 * 16))
+    window = max(16, min(MAX_WINDOW, int(total * window_share) // 16 * 16))
     return SINKS, window, max(0, total - SINKS - window)
 
 
@@ -55,7 +59,7 @@ def policy_overrides(policy: str, retention: float | None, context: int) -> dict
         return over
     if retention is None:
         raise ValueError(f"policy {policy!r} needs a retention")
-    sinks, window, selected = working_set(retention, context)
+    sinks, window, selected = working_set(retention, context, _WINDOW_SHARE.get(policy, 0.25))
     if policy == "streaming":
         window, selected = window + selected, 0
     over.update(sinks=sinks, recent_window=window, selected_tokens=selected)

@@ -1,0 +1,69 @@
+"""Plots of the committed GPU results (no measurement): kernel speedup vs retention and end-to-end
+ratios vs the achievable ones.
+
+    python benchmarks/plot_results.py            # writes benchmarks/results/{kernel,e2e}-h200.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+PAPER = {0.016: 10.67, 0.063: 9.56, 0.125: 7.15, 0.25: 3.96, 0.375: 2.75, 0.5: 2.10, 0.75: 1.43, 0.984: 1.10}
+TARGETS = {(1, 131072): 2.0, (16, 16384): 2.2, (8, 32768): 2.5, (6, 131072): 9.0}
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+def kernel_plot() -> None:
+    rows = [r for r in _rows("kernel-h200.jsonl") if r.get("batch") == 16 and "speedup" in r]
+    rows.sort(key=lambda r: r["retention"])
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot([100 * r["retention"] for r in rows], [r["speedup"] for r in rows], "o-", label="SFI fast-step kernel")
+    ax.plot([100 * r["retention"] for r in rows], [r["dense_us"] / r["fa3_same_bytes_us"] for r in rows], "s--",
+            label="FA3 on the same bytes")
+    ax.plot([100 * k for k in PAPER], list(PAPER.values()), "x:", label="paper (7.15x at 12.5%)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("retention (% of the 16K context attended)")
+    ax.set_ylabel("speedup vs FA3 dense decode")
+    ax.set_title("H200, batch 16 x 16K, Qwen3-4B attention shape, CUDA graphs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "kernel-h200.png", dpi=120)
+
+
+def e2e_plot() -> None:
+    rows = _rows("e2e-h200.jsonl")
+    rows.sort(key=lambda r: (r["context"], r["batch"]))
+    labels = [f"{r['batch']}x{r['context'] // 1024}K" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - 0.2 for i in x], [r["ratio"] for r in rows], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["achievable_ratio"] for r in rows], 0.4, label="achievable (same run)")
+    for i, r in enumerate(rows):
+        t = TARGETS.get((r["batch"], r["context"]))
+        if t:
+            ax.plot([i - 0.4, i + 0.4], [t, t], "k--", lw=1)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("SFI / dense decode tok/s")
+    ax.set_title("H200 end to end (dashed: issue targets; 5.5% slow steps)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "e2e-h200.png", dpi=120)
+
+
+if __name__ == "__main__":
+    kernel_plot()
+    e2e_plot()
+    print("wrote", RESULTS / "kernel-h200.png", RESULTS / "e2e-h200.png")
