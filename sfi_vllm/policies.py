@@ -15,7 +15,9 @@ tokens / context tokens) at a context length.
 * ``sfi`` and ablations: ``sfi-no-prior``, ``sfi-no-nms``, ``sfi-no-exclusivity``,
   ``sfi-interval`` (reuse budget only), ``sfi-boundary`` (sentence boundaries only), and
   ``sfi-wide-window`` (the window takes half the budget instead of a quarter: tests whether the
-  split, not the Selector, decides prompt-end questions at small budgets).
+  split, not the Selector, decides prompt-end questions at small budgets), ``sfi-evidence-only``
+  (no prior, no soft-NMS, no exclusivity) and ``sfi-smooth`` (SnapKV's 7-position pooling of the
+  evidence added to SFI): diagnostics for where SFI's selection loses to SnapKV-style.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-interval": {"policy": "sfi", "boundary_trigger": False},
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
     "sfi-wide-window": {"policy": "sfi"},
+    "sfi-evidence-only": {"policy": "sfi", "selector": {"use_prior": False, "use_nms": False,
+                                                       "use_exclusivity": False}},
+    "sfi-smooth": {"policy": "sfi", "selector": {"smooth_kernel": 7}},
 }
 _WINDOW_SHARE = {"sfi-wide-window": 0.5}  # of the budget; every other selecting policy: 0.25
 POLICIES = tuple(_POLICY)
