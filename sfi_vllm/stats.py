@@ -32,7 +32,8 @@ class RequestStats:
     slow_reasons: Counter = field(default_factory=Counter)
     # (decode step index, context length, reason) of each slow step, oldest first
     slow_events: list[tuple[int, int, str]] = field(default_factory=list)
-    # sums over fast steps and layers: tokens attended, and the context they stood for
+    # sums over fast steps and layers (GPU kernel path: over fast steps, from the first layer's
+    # compact set): tokens attended, and the context they stood for
     fast_attended_tokens: int = 0
     fast_context_tokens: int = 0
     fast_layer_evals: int = 0

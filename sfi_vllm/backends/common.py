@@ -6,8 +6,12 @@ Per engine step (metadata builder, once for all layers): split the batch rows in
 kernel rows alone.
 
 Per layer (impl): after the dense kernel ran, refresh the selection of slow rows (Selector over
-the decode query's attention probabilities, then pack the compact set), and compute fast rows
-with the reference fast-step attention.
+the decode query's attention probabilities, then pack the compact set), and compute fast rows:
+with the plain-torch reference (CPU, ``sfi.kernels=torch``), or on the GPU with the Triton
+kernels (score kernel + batched Selector + one repack for slow rows, one fast-step launch for the
+fast rows through tables made once per step). The GPU path also has *uniform* steps (every row
+one decode token, none slow): one fixed-shape launch over all rows that CUDA graphs capture
+(``SFILayer.fast_uniform``; the CUDA builder decides, see ``backends/cuda.py``).
 """
 
 from __future__ import annotations
