@@ -241,6 +241,53 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
     return 0.0
 
 
+def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=(6000, 3100, 900, 40),
+                          window=256, kmax=512, seed=5):
+    """The fused selector kernels against the batched torch Selector (steps 1-5 compared as scores,
+    step 6 as selections) for the default settings and each ablation's switches."""
+    from sfi_vllm.config import SelectorConfig
+    from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
+    from sfi_vllm_kernels.selector_scores import selector_scores
+
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    logits = 3.0 * torch.randn(B, hkv, g, frame, generator=gen)
+    # a few strong positions, clustered, as real attention has
+    hot = torch.randint(0, frame, (B, hkv, 8), generator=gen)
+    for b in range(B):
+        for h in range(hkv):
+            for p in hot[b, h].tolist():
+                logits[b, h, :, max(0, p - 2):p + 3] += 8.0
+    norms = 0.5 + torch.rand(B, hkv, frame, generator=gen) * 2
+    for b, s in enumerate(seq_lens):
+        logits[b, ..., s:] = float("-inf")
+        norms[b, :, s:] = 0.0
+    n = torch.tensor([max(1, s - window - lo) for s in seq_lens], dtype=torch.float32)
+    k = torch.clamp(n.long() // 3, min=1, max=kmax)
+    logits, norms, n, k = (t.to(device) for t in (logits, norms, n, k))
+    worst = 0.0
+    variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
+                {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False}]
+    for over in variants:
+        for rows in (1, 2):
+            cfg = SelectorConfig(**over)
+            ref = batched_scores_static(Selector(cfg), torch.softmax(logits, -1), norms, lo, n, rows)
+            got = selector_scores(cfg, logits, norms, lo, n, rows)
+            assert got.shape == ref.shape, (got.shape, ref.shape)
+            fin = torch.isfinite(ref)
+            assert torch.equal(fin, torch.isfinite(got)), (over, "-inf pattern")
+            err = (got[fin] - ref[fin]).abs().max().item()
+            assert err < 2e-3, (over, rows, err)
+            worst = max(worst, err)
+            a = top_k_positions(got, lo, k, int(k.max()))
+            r = top_k_positions(ref, lo, k, int(k.max()))
+            for b in range(B):
+                kk = int(k[b])
+                same = sum(len(set(a[b, h, :kk].tolist()) & set(r[b, h, :kk].tolist())) for h in range(hkv))
+                assert same / (hkv * kk) > 0.99, (over, b, same / (hkv * kk))
+    return worst
+
+
 def run_all(device: str) -> None:
     if device == "cpu":  # Triton's interpreter: small shapes, no bf16 in numpy
         for dtype in (torch.float32, torch.float16):
@@ -254,6 +301,7 @@ def run_all(device: str) -> None:
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
+        check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):
@@ -266,6 +314,8 @@ def run_all(device: str) -> None:
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
+    check_selector_scores(device)
+    check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     print("kernel checks passed (cuda)")
 
 
