@@ -63,6 +63,10 @@ def make_model(path: Path) -> None:
 
 
 SFI = {"preset": "balanced", "boundary_trigger": False, "reuse_budget": 20}
+# --slow-probe: a third engine with a slow step every other step; with the two SFI runs' measured
+# step times and slow-step rates, the time of a slow and of a fast step follow (two equations).
+SFI_PROBE = {**SFI, "reuse_budget": 1, "min_gap": 0}
+MODES = {"dense": None, "sfi": SFI, "sfi_probe": SFI_PROBE}
 # Random token ids have no sentences, so slow steps come from the first decode step and a reuse
 # budget of 20 fast steps: one slow step every 21 steps (~4.8%), the rate the sentence trigger gave
 # on real generations of our test model (1 per ~18-24 steps, docs/sfi-method.md measurements).
@@ -151,19 +155,38 @@ def achievable_ratio(row: dict, layers: int = 36) -> float:
     return t / ((1 - rho) * fast_step + rho * slow_step)
 
 
+def step_times(row: dict) -> dict:
+    """Measured slow- and fast-step times from the SFI run and the slow-step probe:
+    ``t = t_fast + rate x (t_slow - t_fast)`` for both runs, solved for the two unknowns."""
+    b = row["batch"]
+    t_dense, t1, t2 = b / row["dense_tok_s"], b / row["sfi_tok_s"], b / row["sfi_probe_tok_s"]
+    r1, r2 = row["sfi_slow_step_rate"], row["sfi_probe_slow_step_rate"]
+    if r2 - r1 < 0.1:
+        return {}
+    delta = (t2 - t1) / (r2 - r1)
+    t_fast = t1 - r1 * delta
+    t_slow = t_fast + delta
+    return dict(dense_step_ms=round(1e3 * t_dense, 3), fast_step_ms=round(1e3 * t_fast, 3),
+                slow_step_ms=round(1e3 * t_slow, 3), slow_vs_dense=round(t_slow / t_dense, 2),
+                fast_speedup=round(t_dense / t_fast, 2))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default="1x8192,1x32768,16x16384,8x32768",
                     help="BxC,... served by one engine per mode (they share max_num_seqs and max_model_len)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--mode", choices=["dense", "sfi"], default=None, help="(internal) one engine")
+    ap.add_argument("--mode", choices=sorted(MODES), default=None, help="(internal) one engine")
+    ap.add_argument("--slow-probe", action="store_true",
+                    help="also run SFI with a slow step every other step and derive the slow- and "
+                    "fast-step times (slow_step_ms, slow_vs_dense, fast_speedup)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
     model = Path("/tmp/sfi-qwen3-4b-shape")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     if args.mode:
-        run(str(model), points, args.new_tokens, SFI if args.mode == "sfi" else None)
+        run(str(model), points, args.new_tokens, MODES[args.mode])
         return 0
     import subprocess
     import sys
@@ -173,7 +196,7 @@ def main() -> int:
     rows = {p: dict(batch=p[0], context=p[1], **attention_times(*p)) for p in points}
     for p in points:
         print(json.dumps(rows[p]), flush=True)
-    for mode in ("dense", "sfi"):
+    for mode in ("dense", "sfi") + (("sfi_probe",) if args.slow_probe else ()):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
                                "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, env=env)
@@ -194,6 +217,8 @@ def main() -> int:
             row["ratio"] = round(row["sfi_tok_s"] / row["dense_tok_s"], 2)
             row["slow_step_rate"] = row["sfi_slow_step_rate"]
             row["achievable_ratio"] = round(achievable_ratio(row), 2)
+            if "sfi_probe_tok_s" in row:
+                row.update(step_times(row))
         out.append(row)
         print(json.dumps(row), flush=True)
     with open(Path(args.out) / f"e2e-h200{args.tag}.jsonl", "w") as f:

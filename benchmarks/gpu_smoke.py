@@ -95,6 +95,10 @@ def main() -> int:
         "sfi_small_eager": EngineJob(**base, attention_backend="sfi", sfi=SMALL, engine_kwargs=eng),
         "sfi_small_graphs": EngineJob(**base, attention_backend="sfi", sfi=SMALL,
                                       engine_kwargs={**eng, "enforce_eager": False}),
+        # the same without the second stream (inline refresh, single compact sets): the tokens
+        # must be identical, or the stream ordering / double buffering changed what a step reads
+        "sfi_small_graphs_inline": EngineJob(**base, attention_backend="sfi", sfi={**SMALL, "side_stream": False},
+                                             engine_kwargs={**eng, "enforce_eager": False}),
     }
     results = {}
     for name, job in runs.items():
@@ -125,6 +129,9 @@ def main() -> int:
             # full CUDA graphs replay the fast steps with each step's tables: same tokens as eager
             entry["agree_with_eager"] = [common_prefix_len(e["token_ids"], s["token_ids"]) for e, s in
                                          zip(results["sfi_small_eager"]["outputs"], r["outputs"])]
+        if name == "sfi_small_graphs_inline" and "error" not in results["sfi_small_graphs"]:
+            entry["same_tokens_as_side_stream"] = [e["token_ids"] == s["token_ids"] for e, s in
+                                                   zip(results["sfi_small_graphs"]["outputs"], r["outputs"])]
         entry["sample"] = r["outputs"][0]["text"][:300]
         report[name] = entry
         print(name, json.dumps(entry, indent=1), flush=True)

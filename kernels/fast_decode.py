@@ -3,7 +3,8 @@
 Reference: :func:`sfi_vllm.attention_ref.fast_step_attention` applied per row to
 ``compact_k[slot, :, :compact_len[slot]]`` and the window ``[ws, seq_len)`` read from vLLM's paged
 cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``), where
-``ws = max(window_start[slot], row_min_window_start[row])``. A row whose slot is negative has no
+``ws = max(window_start[slot], row_min_window_start[row])``; with a ``slot_map`` (double-buffered
+compact sets) ``slot`` is first mapped to the physical set it publishes. A row whose slot is negative has no
 compact set and attends densely to ``[0, seq_len)``; a row with ``seq_len == 0`` writes zeros.
 
 Everything per row and per slot is read from device tensors, so one launch over a fixed number of
@@ -26,7 +27,7 @@ import triton.language as tl
 
 @triton.jit
 def _fast_decode_split(
-    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, ACC, LSE,
+    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE,
     stride_qb, stride_qh,
     stride_cks, stride_ckh, stride_ckn,
     stride_cvs, stride_cvh, stride_cvn,
@@ -37,14 +38,17 @@ def _fast_decode_split(
     stride_lb, stride_lh,
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(ROW_SLOT + b)
     has_set = slot >= 0
-    slot = tl.maximum(slot, 0).to(tl.int64)
+    slot = tl.maximum(slot, 0)
+    if HAS_MAP:  # logical slot -> its published physical set (double-buffered compact sets)
+        slot = tl.where(has_set, tl.load(SLOT_MAP + slot), 0)
+    slot = slot.to(tl.int64)
     nc = tl.where(has_set, tl.load(NC + slot), 0)
     ws = tl.where(has_set, tl.maximum(tl.load(WS + slot), tl.load(ROW_MIN_WS + b)), 0)
     seq = tl.load(SEQ + b)
@@ -160,18 +164,20 @@ def fast_decode_attention(
     row_slot: torch.Tensor,  # (>= B,) int32: compact-buffer slot of each row, -1: dense row
     row_min_window_start: torch.Tensor,  # (>= B,) int32: the window starts here at the latest
     seq_lens: torch.Tensor,  # (>= B,) int32: tokens in the cache including this step's
-    compact_len: torch.Tensor,  # (slots,) int32: sinks + selected tokens held by each slot
-    window_start: torch.Tensor,  # (slots,) int32: window start fixed at the slot's last refresh
+    compact_len: torch.Tensor,  # (sets,) int32: sinks + selected tokens held by each set
+    window_start: torch.Tensor,  # (sets,) int32: window start fixed at the set's last refresh
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_map: torch.Tensor | None = None,  # (slots,) int32: slot -> physical set; None: identity
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
-    :func:`make_workspace`) and every launch reads only device tensors."""
+    :func:`make_workspace`) and every launch reads only device tensors. With ``slot_map`` a
+    row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start)."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -182,7 +188,8 @@ def fast_decode_attention(
         assert t.stride(-1) == 1
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
-        row_min_window_start, seq_lens, compact_len, window_start, acc, lse,
+        row_min_window_start, seq_lens, compact_len, window_start,
+        slot_map if slot_map is not None else row_slot, acc, lse,
         q.stride(0), q.stride(1),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
         compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),
@@ -193,7 +200,8 @@ def fast_decode_attention(
         lse.stride(0), lse.stride(1),
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
-        PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),

@@ -89,31 +89,54 @@ class CompactBuffer:
 
 
 class PackedCompactBuffer:
-    """One layer's compact sets in preallocated ``(slots, Hkv, capacity, D)`` storage (GPU path).
+    """One layer's compact sets in preallocated storage (GPU path).
 
     Holds the same contents as :class:`CompactBuffer`; fast steps of a whole batch read it in one
     kernel launch (``sfi_vllm_kernels.fast_decode``), and slow steps fill it with the repack
     kernel. Allocated when the layer is built, so vLLM's memory profiling counts it before sizing
-    the KV cache. Each slot's length and window start live on the device (read by the kernel, also
-    inside CUDA graphs) and on the host (checks and statistics).
+    the KV cache.
+
+    **Double buffering** (``double_buffer=True``, used with the side stream): each slot owns two
+    physical sets. A refresh repacks into the slot's spare set and then *publishes* it by writing
+    the slot's entry of ``slot_map_dev`` (logical slot -> physical set, read by the fast-step
+    kernel), in stream order after the repack. A fast step therefore reads either the old or the
+    new set, each complete, never one being written. Each physical set's length and window start
+    live on the device (``length_dev``, ``window_start_dev``: read by the kernel, also inside CUDA
+    graphs); the published set's are mirrored on the host per logical slot (checks, statistics).
     """
 
     def __init__(self, num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_slots, num_kv_heads, capacity, head_size)
+                 dtype: torch.dtype, device: torch.device | str, double_buffer: bool = False) -> None:
+        self.sets_per_slot = 2 if double_buffer else 1
+        physical = num_slots * self.sets_per_slot
+        shape = (physical, num_kv_heads, capacity, head_size)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length_dev = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.window_start_dev = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.length = [0] * num_slots  # sinks + selected, per slot (host mirror)
+        self.length_dev = torch.zeros(physical, dtype=torch.int32, device=device)
+        self.window_start_dev = torch.zeros(physical, dtype=torch.int32, device=device)
+        self.slot_map = [s * self.sets_per_slot for s in range(num_slots)]  # published set (host)
+        self.slot_map_dev = torch.tensor(self.slot_map, dtype=torch.int32).to(device)
+        self.length = [0] * num_slots  # sinks + selected of the published set (host mirror)
         self.window_start = [0] * num_slots
         self.generation = [-1] * num_slots
 
     @staticmethod
     def bytes_for(num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
-                  dtype: torch.dtype) -> int:
-        return 2 * num_slots * num_kv_heads * capacity * head_size * torch.empty((), dtype=dtype).element_size()
+                  dtype: torch.dtype, double_buffer: bool = False) -> int:
+        sets = num_slots * (2 if double_buffer else 1)
+        return 2 * sets * num_kv_heads * capacity * head_size * torch.empty((), dtype=dtype).element_size()
+
+    def target(self, slot: int) -> int:
+        """The physical set a refresh of ``slot`` writes: the spare one when double-buffered."""
+        cur = self.slot_map[slot]
+        if self.sets_per_slot == 1:
+            return cur
+        return slot * 2 + (1 - cur % 2)
+
+    def published_keys(self, slot: int) -> torch.Tensor:
+        """``(Hkv, length, D)`` keys of the set fast steps read for ``slot`` (tests, checks)."""
+        return self.keys[self.slot_map[slot], :, : self.length[slot]]
 
     def pack(self, slot: int, generation: int, paged: PagedKV, block_table_row: torch.Tensor,
              num_sinks: int, selected: torch.Tensor, window_start: int) -> None:
@@ -126,9 +149,11 @@ class PackedCompactBuffer:
 
     def pack_rows(self, slots: list[int], generations: list[int], paged: PagedKV,
                   block_tables: torch.Tensor, positions: torch.Tensor, counts: list[int],
-                  window_starts: list[int]) -> None:
+                  window_starts: list[int], publish: bool = True) -> list[int]:
         """Repack several slots in one launch: ``positions (B, Hkv, C)`` (sinks first, then the
-        selection, ascending), of which the first ``counts[b]`` are row ``b``'s."""
+        selection, ascending), of which the first ``counts[b]`` are row ``b``'s. Writes each slot's
+        :meth:`target` set and, with ``publish``, publishes it (:meth:`publish`). All device work
+        is enqueued on the current stream. Returns the physical sets written."""
         from sfi_vllm_kernels.repack import repack
 
         if max(counts) > self.capacity:
@@ -137,14 +162,25 @@ class PackedCompactBuffer:
                 f"{self.capacity} (sinks + the largest K the engine's SFI config allows)"
             )
         dev = self.keys.device
-        meta = torch.tensor([slots, counts, window_starts], dtype=torch.int32).to(dev, non_blocking=True)
+        targets = [self.target(s) for s in slots]
+        meta = torch.tensor([targets, counts, window_starts, slots], dtype=torch.int32).to(dev, non_blocking=True)
         key_cache, value_cache = paged.nhd_views()
         repack(key_cache, value_cache, block_tables.to(torch.int32), meta[0],
                positions.to(dev, torch.int32).contiguous(), meta[1], self.keys, self.values)
-        slot_idx = meta[0].long()
-        self.length_dev[slot_idx] = meta[1]
-        self.window_start_dev[slot_idx] = meta[2]
-        for slot, gen, n, ws in zip(slots, generations, counts, window_starts):
+        phys = meta[0].long()
+        self.length_dev[phys] = meta[1]
+        self.window_start_dev[phys] = meta[2]
+        if publish:
+            self.publish(slots, generations, targets, counts, window_starts, meta[3].long(), meta[0])
+        return targets
+
+    def publish(self, slots: list[int], generations: list[int], targets: list[int], counts: list[int],
+                window_starts: list[int], slots_dev: torch.Tensor, targets_dev: torch.Tensor) -> None:
+        """Point ``slots`` at their freshly written sets ``targets`` (a device write, ordered
+        after the repack on the current stream) and update the host mirrors."""
+        self.slot_map_dev[slots_dev] = targets_dev
+        for slot, gen, t, n, ws in zip(slots, generations, targets, counts, window_starts):
+            self.slot_map[slot] = t
             self.length[slot] = n
             self.window_start[slot] = ws
             self.generation[slot] = gen

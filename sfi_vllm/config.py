@@ -111,6 +111,11 @@ class SFIConfig(BaseModel):
     kernels: Literal["auto", "triton", "torch"] = Field(
         "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
     )
+    side_stream: bool = Field(
+        True,
+        description="GPU kernel path: run the slow step's selection and repack on a second CUDA "
+        "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
+    )
 
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines)")

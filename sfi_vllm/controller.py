@@ -84,6 +84,8 @@ class SFIController:
         self.buffers: list[CompactBuffer] = []
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         self._slow_selection = None
+        self._refresh_stream = None
+        self._refresh_pending = False
         self.current_plan: StepPlan | None = None
         self.planned_steps = 0
         boundary = self._boundary_tokens(vllm_config)
@@ -122,6 +124,34 @@ class SFIController:
             len(boundary.skips),
         )
         return boundary
+
+    # -- the refresh stream (GPU kernel path) -----------------------------------------------------
+    def refresh_stream(self, device: torch.device):
+        """The CUDA stream slow steps' selection and repack run on, or None (inline): CPU, or
+        ``side_stream`` off. Work enqueued on it must be joined (:meth:`join_refresh`) before
+        anything reads the compact sets it writes."""
+        if device.type != "cuda" or not self.cfg.side_stream:
+            return None
+        if self._refresh_stream is None:
+            self._refresh_stream = torch.cuda.Stream(device)
+        return self._refresh_stream
+
+    def fork_refresh(self, device: torch.device):
+        """Order the refresh stream after everything enqueued so far on the current stream (this
+        layer's KV-cache writes and dense attention) and return it (None: run inline)."""
+        side = self.refresh_stream(device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+            self._refresh_pending = True
+        return side
+
+    def join_refresh(self) -> None:
+        """Make the current stream wait for all refresh work enqueued so far. Called by the metadata
+        builder at the start of every step, before any of the step's kernels is enqueued, so the
+        step's fast rows (eager or replayed from a full CUDA graph) read published sets only."""
+        if self._refresh_pending:
+            torch.cuda.current_stream(self._refresh_stream.device).wait_stream(self._refresh_stream)
+            self._refresh_pending = False
 
     @property
     def slow_selection(self):

@@ -165,6 +165,24 @@ def select_batched_static(selector: Selector, probs: torch.Tensor, key_norms: to
     """:func:`select_batched` with fixed shapes (capturable in a CUDA graph): the candidates of
     row ``b`` are ``[lo, lo + n[b])`` (``n`` float32 on the device), it keeps ``k[b] <= kmax``
     (int64 on the device); positions past a row's candidates in the ``W``-wide frame are ignored."""
+    scores = batched_scores_static(selector, probs, key_norms, lo, n, num_query_rows)
+    return top_k_positions(scores, lo, k, kmax)
+
+
+def top_k_positions(scores: torch.Tensor, lo: int, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """Step 6 for a batch: ``scores (B, Hkv, W)`` over candidates ``lo + j`` -> ``(B, Hkv, kmax)``
+    absolute positions, row ``b``'s best ``k[b]`` per head ascending, then padding past the frame."""
+    width = scores.shape[-1]
+    idx = torch.topk(scores, kmax, dim=-1).indices
+    keep = torch.arange(kmax, device=scores.device)[None, None, :] < k[:, None, None]
+    idx = torch.where(keep, idx, torch.full_like(idx, width))
+    return torch.sort(idx, dim=-1).values + lo
+
+
+def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,
+                          n: torch.Tensor, num_query_rows: int = 1) -> torch.Tensor:
+    """Steps 1-5 for a batch: final scores ``(B, Hkv, W - lo)`` of candidates ``lo + j``; ``-inf``
+    past row ``b``'s ``n[b]`` candidates. The spec of ``sfi_vllm_kernels.selector_scores``."""
     c = selector.cfg
     B, hkv = probs.shape[:2]
     dev = probs.device
@@ -218,8 +236,4 @@ def select_batched_static(selector: Selector, probs: torch.Tensor, key_norms: to
         log_rho = torch.log_softmax(torch.where(valid, log_s, 0.0) / c.exclusivity_temperature, dim=1)
         log_s = torch.where(valid, log_s + c.exclusivity_strength * log_rho, neg_inf)
 
-    # 6. top-k per row: keep each row's first k[b] by score, then sort them by position
-    idx = torch.topk(log_s, kmax, dim=-1).indices
-    keep = torch.arange(kmax, device=dev)[None, None, :] < k[:, None, None]
-    idx = torch.where(keep, idx, torch.full_like(idx, width))
-    return torch.sort(idx, dim=-1).values + lo
+    return log_s

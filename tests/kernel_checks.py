@@ -155,7 +155,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides(policy, retention, max(seq_lens))}
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
     cfg = ctl.cfg
-    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device)
+    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
     ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
     paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
@@ -173,6 +173,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     outs = []
     for layer in (ref, fast):
         layer.refresh(slow, paged, qd, 0)
+        ctl.join_refresh()  # what the metadata builder does at the start of the next step
         out = torch.full_like(qd, float("nan"))
         layer.fast(step, paged, qd, out)
         outs.append(out[: n - 1].float().cpu())
@@ -181,9 +182,11 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         entry = ref.buffer.get(row, 1)
         k = entry.num_tokens
         assert packed.length[row] == k and packed.window_start[row] == entry.window_start
-        assert int(packed.length_dev[row]) == k and int(packed.window_start_dev[row]) == entry.window_start
+        phys = packed.slot_map[row]
+        assert int(packed.slot_map_dev[row]) == phys
+        assert int(packed.length_dev[phys]) == k and int(packed.window_start_dev[phys]) == entry.window_start
         ref_keys = entry.keys.to(dtype).cpu()
-        got = packed.keys[row, :, :k].cpu()
+        got = packed.published_keys(row).cpu()
         same += (got == ref_keys).all(-1).float().mean().item()
     assert same / n > 0.97, f"selections differ: {same / n:.3f} of tokens identical"
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
@@ -241,6 +244,172 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
     return 0.0
 
 
+def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=(6000, 3100, 900, 40),
+                          window=256, kmax=512, seed=5):
+    """The fused selector kernels against the batched torch Selector (steps 1-5 compared as scores,
+    step 6 as selections) for the default settings and each ablation's switches."""
+    from sfi_vllm.config import SelectorConfig
+    from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
+    from sfi_vllm_kernels.selector_scores import selector_scores
+
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    logits = 3.0 * torch.randn(B, hkv, g, frame, generator=gen)
+    # a few strong positions, clustered, as real attention has
+    hot = torch.randint(0, frame, (B, hkv, 8), generator=gen)
+    for b in range(B):
+        for h in range(hkv):
+            for p in hot[b, h].tolist():
+                logits[b, h, :, max(0, p - 2):p + 3] += 8.0
+    norms = 0.5 + torch.rand(B, hkv, frame, generator=gen) * 2
+    for b, s in enumerate(seq_lens):
+        logits[b, ..., s:] = float("-inf")
+        norms[b, :, s:] = 0.0
+    n = torch.tensor([max(1, s - window - lo) for s in seq_lens], dtype=torch.float32)
+    k = torch.clamp(n.long() // 3, min=1, max=kmax)
+    logits, norms, n, k = (t.to(device) for t in (logits, norms, n, k))
+    worst = 0.0
+    variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
+                {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False}]
+    for over in variants:
+        for rows in (1, 2):
+            cfg = SelectorConfig(**over)
+            ref = batched_scores_static(Selector(cfg), torch.softmax(logits, -1), norms, lo, n, rows)
+            got = selector_scores(cfg, logits, norms, lo, n, rows)
+            assert got.shape == ref.shape, (got.shape, ref.shape)
+            fin = torch.isfinite(ref)
+            assert torch.equal(fin, torch.isfinite(got)), (over, "-inf pattern")
+            err = (got[fin] - ref[fin]).abs().max().item()
+            assert err < 2e-3, (over, rows, err)
+            worst = max(worst, err)
+            a = top_k_positions(got, lo, k, int(k.max()))
+            r = top_k_positions(ref, lo, k, int(k.max()))
+            for b in range(B):
+                kk = int(k[b])
+                same = sum(len(set(a[b, h, :kk].tolist()) & set(r[b, h, :kk].tolist())) for h in range(hkv))
+                assert same / (hkv * kk) > 0.99, (over, b, same / (hkv * kk))
+    return worst
+
+
+def check_double_buffer(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq_lens=(900, 500),
+                        counts=(70, 40), seed=6):
+    """A repack writes the slot's spare set and leaves the published one untouched until it is
+    published (poisoned spares show any read of the wrong set)."""
+    from sfi_vllm.compact import PackedCompactBuffer
+
+    g = torch.Generator().manual_seed(seed)
+    nb, bt = block_tables(seq_lens, page, 2, g, device)
+    paged, kc, _ = paged_cache(nb, page, hkv, d, dtype, device, g)
+    buf = PackedCompactBuffer(3, hkv, 128, d, dtype, device, double_buffer=True)
+    buf.keys.fill_(float("nan"))
+    buf.values.fill_(float("nan"))
+    slots = [2, 0]
+
+    def positions():
+        pos = torch.zeros(len(seq_lens), hkv, max(counts), dtype=torch.long)
+        for b, (s, c) in enumerate(zip(seq_lens, counts)):
+            for h in range(hkv):
+                pos[b, h, :c] = torch.randperm(s, generator=g)[:c].sort().values
+        return pos.to(device)
+
+    def expect(pos, b):
+        return torch.stack([kc[bt[b, pos[b, h, :counts[b]] // page].long(), pos[b, h, :counts[b]] % page, h]
+                            for h in range(hkv)])
+
+    first = positions()
+    buf.pack_rows(slots, [1, 1], paged, bt, first, list(counts), [800, 450])
+    old_map = list(buf.slot_map)
+    for b, slot in enumerate(slots):
+        assert torch.equal(buf.published_keys(slot), expect(first, b))
+    second = positions()
+    targets = buf.pack_rows(slots, [2, 2], paged, bt, second, list(counts), [850, 460], publish=False)
+    assert buf.slot_map == old_map and buf.slot_map_dev.tolist() == old_map, "published before publish()"
+    for b, slot in enumerate(slots):
+        assert targets[b] != old_map[slot] and targets[b] // 2 == slot, "repack must write the spare set"
+        assert torch.equal(buf.published_keys(slot), expect(first, b)), "the published set was overwritten"
+        assert torch.equal(buf.keys[targets[b], :, :counts[b]], expect(second, b))
+    dev_targets = torch.tensor(targets, dtype=torch.int32, device=device)
+    buf.publish(slots, [2, 2], targets, list(counts), [850, 460],
+                torch.tensor(slots, device=device), dev_targets)
+    assert buf.slot_map_dev.tolist() == buf.slot_map and buf.slot_map[1] == old_map[1]
+    for b, slot in enumerate(slots):
+        assert torch.equal(buf.published_keys(slot), expect(second, b))
+        assert int(buf.window_start_dev[targets[b]]) == (850, 460)[b]
+    return 0.0
+
+
+def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(12000, 5000, 9000),
+                           retention=0.1, sleep_cycles=200_000_000):
+    """CUDA only: the slow step's refresh runs on the second stream, ordered by events. The refresh
+    stream is held up (a sleep kernel) while a second slow step's refresh is enqueued; a fast step
+    issued before the join must read the previous (published) sets exactly, one issued after the
+    join the new ones. Fails if publication is not ordered after the repack on the refresh stream
+    (the poisoned spare sets would be read) or if the join does not wait (the old sets would be)."""
+    from sfi_vllm.backends.common import SFILayer, attach_fast_tables, make_step
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+
+    device = "cuda"
+    n = len(seq_lens)
+    over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    assert ctl.cfg.side_stream
+    packed = PackedCompactBuffer(4, hkv, ctl.cfg.compact_capacity(max(seq_lens)), d, dtype, device, double_buffer=True)
+    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
+    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
+    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
+    paged = PagedKV(cache, "flash", d)
+    cam.block_table_tensor = cam.block_table_tensor.to(device)
+    cam.seq_lens = cam.seq_lens.to(device)
+    ctx = list(seq_lens)
+    q1 = q.to(device, dtype)
+    q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(11)).to(device, dtype)
+    slow = make_step(plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=ctx), cam, lambda s: None)
+    step = make_step(plan_for([StepMode.FAST] * n, cfg=ctl.cfg, context=ctx), cam, lambda s: None)
+    attach_fast_tables(step, cam, ctl)
+
+    def read() -> torch.Tensor:
+        out = torch.full_like(q1, float("nan"))
+        fast.fast(step, paged, q1, out)
+        return out
+
+    fast.refresh(slow, paged, q1, 0)
+    ctl.join_refresh()
+    old = read()
+    torch.cuda.synchronize()
+    assert torch.isfinite(old).all()
+    # poison every spare set, hold the refresh stream up, enqueue the second refresh
+    for slot in range(n):
+        packed.keys[packed.target(slot)] = float("nan")
+        packed.values[packed.target(slot)] = float("nan")
+    side = ctl.refresh_stream(torch.device(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(sleep_cycles)
+    fast.refresh(slow, paged, q2, 0)
+    during = read()  # no join: must see the published (first) sets
+    ctl.join_refresh()
+    after = read()
+    torch.cuda.synchronize()
+    assert side.query()  # the refresh stream has drained
+    assert torch.equal(during, old), "a fast step before the join read something other than the published sets"
+    # the reference for the second selection: the same refresh inline (no second stream)
+    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+                   packed=PackedCompactBuffer(4, hkv, packed.capacity, d, dtype, device, double_buffer=True))
+    q_rows = q2[torch.tensor([slow.row_token[r] for r in range(n)], device=device)]
+    ref._refresh_packed(slow, paged, q_rows, cam.block_table_tensor[:n].to(torch.int32), list(range(n)))
+    out_ref = torch.full_like(q1, float("nan"))
+    ref.fast(step, paged, q1, out_ref)
+    torch.cuda.synchronize()
+    assert torch.isfinite(after).all(), "a fast step after the join read a poisoned (unwritten) set"
+    assert torch.equal(after, out_ref), "after the join the fast step must read the new sets"
+    assert not torch.equal(after, old), "test inconclusive: both selections gave the same output"
+    return 0.0
+
+
 def run_all(device: str) -> None:
     if device == "cpu":  # Triton's interpreter: small shapes, no bf16 in numpy
         for dtype in (torch.float32, torch.float16):
@@ -252,8 +421,10 @@ def run_all(device: str) -> None:
             err = check_slow_scores("cpu", dtype, hq=4, hkv=2, d=32, seq_lens=(150, 33))
             assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
+        check_double_buffer("cpu", torch.float32, hkv=2, d=32)
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
+        check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):
@@ -266,6 +437,10 @@ def run_all(device: str) -> None:
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
+    check_double_buffer(device)
+    check_refresh_ordering()
+    check_selector_scores(device)
+    check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     print("kernel checks passed (cuda)")
 
 

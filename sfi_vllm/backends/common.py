@@ -245,8 +245,26 @@ class SFILayer:
             for r in rows:  # rows that share selector settings and sinks are scored together
                 cfg = plan.configs[r]
                 groups.setdefault((cfg.selector, min(cfg.sinks, step.seq_lens[r])), []).append(r)
+            if not groups:
+                return
+            dev = query.device
+            # Inputs the refresh reads from vLLM's buffers are copied on this stream first: vLLM
+            # may reuse the query's memory once this layer returns and rewrites the block table
+            # before the next step. The rest runs on the refresh stream when there is one.
+            jobs = []
             for group in groups.values():
-                self._refresh_packed(step, paged, query, group)
+                tok = _to_device([step.row_token[r] for r in group], dev)
+                jobs.append((group, query[tok], step.block_table[_to_device(group, dev)].to(torch.int32)))
+            side = self.controller.fork_refresh(dev)
+            if side is None:
+                for group, q_rows, bt in jobs:
+                    self._refresh_packed(step, paged, q_rows, bt, group)
+                return
+            with torch.cuda.stream(side):
+                for group, q_rows, bt in jobs:
+                    q_rows.record_stream(side)  # allocated on the current stream, used on the side
+                    bt.record_stream(side)
+                    self._refresh_packed(step, paged, q_rows, bt, group)
             return
         for row in rows:
             cfg = plan.configs[row]
@@ -265,9 +283,11 @@ class SFILayer:
                 selected = torch.arange(sinks, sinks + k, device=bt.device).expand(self.num_kv_heads, -1)
             self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
 
-    def _refresh_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, rows: list[int]) -> None:
-        """Slow rows of one selector setting, batched: scores from the Triton score kernel, the
-        batched Selector (tensor ops, no host sync, replayed from a CUDA graph:
+    def _refresh_packed(self, step: SFIStep, paged: PagedKV, q_rows: torch.Tensor, bt: torch.Tensor,
+                        rows: list[int]) -> None:
+        """Slow rows of one selector setting, batched (``q_rows (R, Hq, D)`` and ``bt (R, .)``
+        int32: their queries and block-table rows): scores from the Triton score kernel, the
+        Selector's fused kernels + top-K (replayed from a CUDA graph:
         :class:`sfi_vllm.backends.selection.SlowStepSelection`), one repack launch."""
         plan, buf = step.plan, self.packed
         assert buf is not None
@@ -276,23 +296,25 @@ class SFILayer:
         ws = [window_start(plan.configs[r], c) for r, c in zip(rows, ctx)]
         sinks = min(cfg0.sinks, ctx[0])
         k = [selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)]
-        dev = query.device
+        dev = q_rows.device
         hkv = self.num_kv_heads
         kmax = max(k)
         positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
         positions[..., :sinks] = torch.arange(sinks, device=dev)
-        row_idx = _to_device(rows, dev)
-        bt = step.block_table[row_idx]
         scored = [i for i, r in enumerate(rows) if 0 < k[i] < ws[i] - sinks]
         if scored:
             key_cache, _ = paged.nhd_views()
-            sub = _to_device(scored, dev)
-            tok = _to_device([step.row_token[rows[i]] for i in scored], dev)
+            all_scored = len(scored) == len(rows)
+            sub = None if all_scored else _to_device(scored, dev)
             seq = torch.tensor([ctx[i] for i in scored], dtype=torch.int32).to(dev, non_blocking=True)
             sel = self.controller.slow_selection.select(
-                self.selector(cfg0), query[tok], key_cache, bt[sub].to(torch.int32), seq,
+                self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
+                bt if all_scored else bt[sub], seq,
                 [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale)
-            positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
+            if all_scored:
+                positions[:, :, sinks:sinks + sel.shape[-1]] = sel
+            else:
+                positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
         for i in range(len(rows)):
             if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits
                 positions[i, :, sinks:sinks + k[i]] = torch.arange(sinks, sinks + k[i], device=dev)
@@ -355,7 +377,7 @@ class SFILayer:
         out = fast_decode_attention(
             query[tables.token], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys))
+            self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys), slot_map=buf.slot_map_dev)
         output[tables.token] = out.to(output.dtype)
 
     def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
@@ -380,7 +402,7 @@ class SFILayer:
         fast_decode_attention(
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, splits, out=output[:b], workspace=(acc, lse))
+            self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev)
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
@@ -480,6 +502,8 @@ class SFIBuilderMixin:
         from dataclasses import fields
 
         cam = common_attn_metadata
+        # the previous step's refresh work (second stream) before this step's kernels
+        self.controller.join_refresh()
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})

@@ -13,14 +13,23 @@ Two kinds of step:
   tensor ops replayed from a CUDA graph per shape, :mod:`sfi_vllm.backends.selection`) and
   repacked in one launch; fast rows run the fast-step kernel.
 
+**Second stream** (``sfi.side_stream``, on by default): a slow row's selection and repack are
+enqueued on a second CUDA stream after the layer's dense attention (the stream first waits for
+everything enqueued so far), so they overlap with the next layers; the slow rows' queries and
+block-table rows are copied on the main stream first (vLLM reuses those buffers). Repacks write
+each slot's spare compact set and then publish it (``PackedCompactBuffer.slot_map_dev``, read by
+the fast-step kernel), so a fast step reads the old or the new set, never a half-written one; the
+metadata builder makes the main stream wait for the refresh stream at the start of every step.
+
 With ``sfi.kernels="torch"`` the plain-torch reference serves fast and slow rows (no packed
-buffers, no uniform path). Not done yet: a second CUDA stream for the selector (slow steps run it
-inline), and GPU-side step planning: the step plan is made on the host, which reads the last
-sampled tokens (one device sync per step, which also stalls vLLM's async scheduling).
+buffers, no uniform path). Not done yet: GPU-side step planning: the step plan is made on the
+host, which reads the last sampled tokens (one device sync per step, which also stalls vLLM's
+async scheduling).
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
-before sizing the KV cache): ``2 x max_num_seqs x kv_heads x (sinks + K_max) x head_size x dtype
-bytes``, logged at start-up, as is the uniform path's fp32 scratch (shared by the layers). Not
+before sizing the KV cache): ``2 (K, V) x sets x max_num_seqs x kv_heads x (sinks + K_max) x
+head_size x dtype bytes`` with ``sets`` 2 under the side stream (double buffering), else 1; logged
+at start-up, as is the uniform path's fp32 scratch (shared by the layers). Not
 counted by the profiling: a slow step's selection buffers (fp32 logits of the slow rows over the
 frame, and the selection graph's pool), allocated at the first slow step of each shape from the
 memory vLLM leaves free.
@@ -144,13 +153,15 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         slots = int(vllm_config.scheduler_config.max_num_seqs)
         capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))
         dtype = vllm_config.model_config.dtype
-        nbytes = PackedCompactBuffer.bytes_for(slots, num_kv_heads, capacity, head_size, dtype)
+        sets = 2 if cfg.side_stream else 1  # double-buffered when refreshed on a second stream
+        nbytes = PackedCompactBuffer.bytes_for(slots, num_kv_heads, capacity, head_size, dtype, cfg.side_stream)
         logger.info_once(
-            "sfi-vllm: compact buffers take 2 x %d seqs x %d kv heads x %d tokens x %d x %d bytes "
-            "= %.1f MiB per layer", slots, num_kv_heads, capacity, head_size,
+            "sfi-vllm: compact buffers take 2 (K, V) x %d sets x %d seqs x %d kv heads x %d tokens x %d x "
+            "%d bytes = %.1f MiB per layer", sets, slots, num_kv_heads, capacity, head_size,
             torch.empty((), dtype=dtype).element_size(), nbytes / 2**20)
         return PackedCompactBuffer(slots, num_kv_heads, capacity, head_size, dtype,
-                                   torch.device("cuda", torch.cuda.current_device()))
+                                   torch.device("cuda", torch.cuda.current_device()),
+                                   double_buffer=cfg.side_stream)
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)

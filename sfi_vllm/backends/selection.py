@@ -1,11 +1,12 @@
 """SlowStepSelection: the GPU slow step's selection work, captured in CUDA graphs.
 
 A slow step re-selects every layer's compact set: score kernel (``sfi_vllm_kernels.slow_scores``),
-softmax, then the batched Selector (:func:`sfi_vllm.selector.select_batched_static`), about a
-hundred small tensor ops. Launched one by one that work is bound by the host (measured on the
-H200: 2.4 ms of launch time per layer for 0.8 ms of GPU time at 8 x 32K). Its shapes depend only
-on the number of slow rows, the candidate frame and K, so it is captured once per shape in a CUDA
-graph and replayed for every layer and every later slow step of that shape:
+then the Selector's scores (``sfi_vllm_kernels.selector_scores``: three launches; the torch
+Selector, about a hundred small ops, only for evidence smoothing) and top-K. Launched one by one
+the torch version was bound by the host (measured on the H200: 2.4 ms of launch time per layer for
+0.8 ms of GPU time at 8 x 32K). The shapes depend only on the number of slow rows, the candidate
+frame and K, so the work is captured once per shape in a CUDA graph and replayed for every layer
+and every later slow step of that shape:
 
 * the frame width is the largest context rounded up to ``WIDTH_BUCKET`` tokens (positions past a
   row's context are masked), so a new graph is needed only every ``WIDTH_BUCKET`` tokens of growth;
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sfi_vllm.selector import Selector, select_batched_static
+from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
@@ -55,6 +56,7 @@ class SlowStepSelection:
                hi: list[int], k: list[int], scale: float) -> torch.Tensor:
         """Positions ``(R, Hkv, max(k))`` (row ``b``'s first ``k[b]`` ascending) for the slow rows
         whose queries are ``q (R, Hq, D)``; see :func:`sfi_vllm.selector.select_batched`."""
+        from sfi_vllm_kernels.selector_scores import selector_scores
         from sfi_vllm_kernels.slow_scores import slow_step_scores
 
         assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
@@ -73,7 +75,10 @@ class SlowStepSelection:
         entry.budgets.copy_(host[1], non_blocking=True)
 
         def body() -> torch.Tensor:
-            probs = torch.softmax(entry.logits, dim=-1)
+            if selector.cfg.smooth_kernel <= 1:  # the fused kernels (three launches)
+                scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
+                return top_k_positions(scores, lo, entry.budgets, kmax)
+            probs = torch.softmax(entry.logits, dim=-1)  # evidence smoothing: the torch Selector
             return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)
 
         if q.device.type != "cuda":
