@@ -210,6 +210,11 @@ def main() -> int:
             print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
             for p in points:
                 rows[p].setdefault(f"{mode}_error", err[-600:])
+        _write(args, points, rows)  # after every engine: a run cut short keeps what it measured
+    return 0
+
+
+def _write(args, points, rows) -> None:
     out = []
     for p in points:
         row = rows[p]
@@ -224,7 +229,6 @@ def main() -> int:
     with open(Path(args.out) / f"e2e-h200{args.tag}.jsonl", "w") as f:
         for r in out:
             f.write(json.dumps(r) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
