@@ -1,8 +1,9 @@
 """SlowStepSelection: the GPU slow step's selection work, captured in CUDA graphs.
 
 A slow step re-selects every layer's compact set: score kernel (``sfi_vllm_kernels.slow_scores``),
-then the Selector's scores (``sfi_vllm_kernels.selector_scores``: three launches; the torch
-Selector, about a hundred small ops, only for evidence smoothing) and top-K. Launched one by one
+then the Selector's scores (``sfi_vllm_kernels.selector_scores``: three launches, for frames up
+to ``FUSED_MAX_FRAME``; the torch Selector, about a hundred small ops, for longer frames and for
+evidence smoothing) and top-K. Launched one by one
 the torch version was bound by the host (measured on the H200: 2.4 ms of launch time per layer for
 0.8 ms of GPU time at 8 x 32K). The shapes depend only on the number of slow rows, the candidate
 frame and K, so the work is captured once per shape in a CUDA graph and replayed for every layer
@@ -29,6 +30,14 @@ from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
+# The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
+# Measured on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py, as
+# run by e2e_bench.py): fused vs torch 382 vs 557 us at 1 x 8K, 772 vs 954 at 16 x 16K, 989 vs 956
+# at 8 x 32K, but 1,987 vs 733 at 1 x 128K and 3,187 vs 2,090 at 6 x 128K: the fused statistics
+# kernel runs one program per (row, KV head) that streams the whole frame three times, which is
+# latency-bound on long frames with few rows. Splitting the frame across programs is the fix (not
+# done; it needs a GPU measurement first).
+FUSED_MAX_FRAME = 32768
 
 
 @dataclass
@@ -75,7 +84,7 @@ class SlowStepSelection:
         entry.budgets.copy_(host[1], non_blocking=True)
 
         def body() -> torch.Tensor:
-            if selector.cfg.smooth_kernel <= 1:  # the fused kernels (three launches)
+            if selector.cfg.smooth_kernel <= 1 and width <= FUSED_MAX_FRAME:  # fused kernels
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
                 return top_k_positions(scores, lo, entry.budgets, kmax)
             probs = torch.softmax(entry.logits, dim=-1)  # evidence smoothing: the torch Selector
