@@ -2,6 +2,7 @@
 
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192,1x32768,16x16384,8x32768
     python3 benchmarks/e2e_bench.py --out DIR --points 1x131072,6x131072 --tag -128k
+    python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --sfi '{"side_stream": false}' --tag -inline
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
 checkpoint with random normal weights (std 0.02, norms 1.0): not vLLM's dummy loader, whose
@@ -131,7 +132,7 @@ def attention_times(batch: int, context: int) -> dict:
     from sfi_vllm.compact import selected_count, window_start
     from sfi_vllm.config import build_config
 
-    cfg = build_config(SFI, use_env=False)
+    cfg = build_config(MODES["sfi"], use_env=False)
     kv, kc, vc, bt, q = setup(batch, context)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     dense = fa3_us(q, kc, vc, bt, lens, context)
@@ -182,9 +183,19 @@ def main() -> int:
                     help="also run SFI with a slow step every other step and derive the slow- and "
                     "fast-step times (slow_step_ms, slow_vs_dense, fast_speedup)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--sfi", default=None,
+                    help="JSON overrides of the SFI settings of the sfi and sfi_probe engines "
+                    "(e.g. '{\"side_stream\": false}' for an A/B run)")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated engines to run (default: dense,sfi and sfi_probe with "
+                    "--slow-probe); the ratios need dense and sfi in the same run")
     args = ap.parse_args()
     model = Path("/tmp/sfi-qwen3-4b-shape")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    if args.sfi:
+        extra = json.loads(args.sfi)
+        MODES["sfi"] = {**SFI, **extra}
+        MODES["sfi_probe"] = {**SFI_PROBE, **extra}
     if args.mode:
         run(str(model), points, args.new_tokens, MODES[args.mode])
         return 0
@@ -194,12 +205,19 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     make_model(model)
     rows = {p: dict(batch=p[0], context=p[1], **attention_times(*p)) for p in points}
+    if args.sfi:
+        for row in rows.values():
+            row["sfi_overrides"] = json.loads(args.sfi)
     for p in points:
         print(json.dumps(rows[p]), flush=True)
-    for mode in ("dense", "sfi") + (("sfi_probe",) if args.slow_probe else ()):
+    modes = args.modes.split(",") if args.modes else ["dense", "sfi"] + (["sfi_probe"] if args.slow_probe else [])
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
-                               "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, env=env)
+        cmd = [sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
+               "--new-tokens", str(args.new_tokens)] + (["--sfi", args.sfi] if args.sfi else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         for r in results:
             row = rows[(r["batch"], r["context"])]
