@@ -410,6 +410,51 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     return 0.0
 
 
+def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                      seq_lens=(3000, 900, 5000, 1400, 150, 40), retention=0.15):
+    """Quest-style fast rows through the kernel path (page-score kernel, top pages, repack,
+    fast-step kernel) against the reference layer's per-row ``_quest_set``; the rows include one
+    whose pages all fit the budget (they join the window) and one with no whole page."""
+    from sfi_vllm.backends.common import SFILayer, make_step
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+
+    n = len(seq_lens)
+    over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("quest", retention, 3000)}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    cfg = ctl.cfg
+    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
+    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
+    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d, seed=3)
+    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
+    paged = PagedKV(cache, "flash", d)
+    cam.block_table_tensor = cam.block_table_tensor.to(device)
+    cam.seq_lens = cam.seq_lens.to(device)
+    qd = q.to(device, dtype)
+    step = make_step(plan_for([StepMode.FAST] * n, cfg=cfg, context=list(seq_lens)), cam, lambda s: None)
+    kinds = set()
+    for r, c in enumerate(seq_lens):
+        from sfi_vllm.compact import window_start
+        w = window_start(cfg, c)
+        pages = (w - cfg.sinks) // cfg.quest_page
+        budget = min(pages, cfg.selected_budget(c) // cfg.quest_page)
+        kinds.add("scored" if 0 < budget < pages else "all" if budget == pages and pages else "none")
+    assert kinds == {"scored", "all", "none"}, kinds
+    outs = []
+    for layer in (ref, fast):
+        out = torch.full_like(qd, float("nan"))
+        layer.fast(step, paged, qd, out)
+        outs.append(out.float().cpu())
+    err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert torch.isfinite(outs[1]).all() and err < 2e-2, f"quest rows: {err}"
+    return err
+
+
 def run_all(device: str) -> None:
     if device == "cpu":  # Triton's interpreter: small shapes, no bf16 in numpy
         for dtype in (torch.float32, torch.float16):
@@ -422,6 +467,8 @@ def run_all(device: str) -> None:
             assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
         check_double_buffer("cpu", torch.float32, hkv=2, d=32)
+        err = check_quest_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(900, 400, 1300, 500, 60))
+        assert err < 1e-4, err
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
@@ -439,6 +486,9 @@ def run_all(device: str) -> None:
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
     check_double_buffer(device)
     check_refresh_ordering()
+    for dtype in (torch.bfloat16, torch.float16):
+        check_quest_layer(device, dtype)
+        check_quest_layer(device, dtype, hq=9, hkv=3, d=64)
     check_selector_scores(device)
     check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     print("kernel checks passed (cuda)")

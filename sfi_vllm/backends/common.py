@@ -329,6 +329,16 @@ class SFILayer:
             kernel_rows = [r for r in rows if plan.configs[r].policy != "quest"]
             self._fast_packed(step, paged, query, output, kernel_rows)
             rows = [r for r in rows if plan.configs[r].policy == "quest"]
+            if rows and self.head_size & (self.head_size - 1) == 0:
+                groups: dict = {}
+                for r in rows:  # rows of one page size and sink count are selected together
+                    cfg = plan.configs[r]
+                    if cfg.quest_page <= 128:
+                        groups.setdefault((cfg.quest_page, min(cfg.sinks, step.seq_lens[r])), []).append(r)
+                for (page, sinks), group in groups.items():
+                    self._quest_packed(step, paged, query, output, group, page, sinks)
+                done = {r for g in groups.values() for r in g}
+                rows = [r for r in rows if r not in done]  # pages over 128 tokens: the reference
         for row in rows:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
@@ -350,6 +360,66 @@ class SFILayer:
             out = fast_step_attention(q, ck, cv, wk, wv, self.scale)
             output[t] = out.view_as(output[t]).to(output.dtype)
             self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
+
+    def _quest_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor,
+                      rows: list[int], page: int, sinks: int) -> None:
+        """Quest-style rows of one page size and sink count, batched (the GPU kernel path of
+        :meth:`_quest_set`): page scores in one launch (``sfi_vllm_kernels.quest_pages``), top
+        pages per row and KV head, sinks + pages repacked into each row's compact set (published
+        at once: the set serves this step only), then the fast-step kernel over set + window."""
+        from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention
+        from sfi_vllm_kernels.quest_pages import quest_page_scores
+
+        from sfi_vllm.selector import top_k_positions
+
+        plan, buf = step.plan, self.packed
+        assert buf is not None
+        dev = query.device
+        hkv = self.num_kv_heads
+        ctx = [step.seq_lens[r] for r in rows]
+        lo, n_pages, budget, ws = [], [], [], []
+        for r, c in zip(rows, ctx):
+            cfg = plan.configs[r]
+            w = window_start(cfg, c)
+            n = (w - sinks) // page  # whole pages between the sinks and the window
+            k = min(n, cfg.selected_budget(c) // page)
+            lo.append(w - n * page)  # pages end at the window; a remainder joins the window's left
+            n_pages.append(n)
+            budget.append(k)
+            ws.append(w - n * page if k == n else w)
+        kmax = max(budget)
+        positions = torch.zeros(len(rows), hkv, sinks + kmax * page, dtype=torch.int32, device=dev)
+        positions[..., :sinks] = torch.arange(sinks, device=dev, dtype=torch.int32)
+        tok_idx = _to_device([step.row_token[r] for r in rows], dev)
+        row_idx = _to_device(rows, dev)
+        bt = step.block_table[row_idx].to(torch.int32)
+        scored = [i for i in range(len(rows)) if 0 < budget[i] < n_pages[i]]
+        if scored:
+            sub = _to_device(scored, dev)
+            meta = torch.tensor([[lo[i] for i in scored], [n_pages[i] for i in scored]],
+                                dtype=torch.int32).to(dev, non_blocking=True)
+            key_cache, _ = paged.nhd_views()
+            scores = quest_page_scores(query[tok_idx[sub]], key_cache, bt[sub], meta[0], meta[1], page,
+                                       max(n_pages[i] for i in scored))
+            k_dev = torch.tensor([budget[i] for i in scored], dtype=torch.long).to(dev, non_blocking=True)
+            kk = max(budget[i] for i in scored)
+            top = top_k_positions(scores, 0, k_dev, kk)  # (S, Hkv, kk) page indices, ascending
+            tok = meta[0].long()[:, None, None, None] + top[..., None] * page + torch.arange(page, device=dev)
+            positions[sub, :, sinks:sinks + kk * page] = tok.flatten(2).to(torch.int32)
+        # rows with every page in budget take them through the window (ws = lo), none: sinks only
+        counts = [sinks + (budget[i] * page if i in scored else 0) for i in range(len(rows))]
+        buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
+                      positions, counts, ws)
+        host = torch.tensor([[plan.slots[r] for r in rows], ctx], dtype=torch.int32).to(dev, non_blocking=True)
+        key_cache, value_cache = paged.nhd_views()
+        max_keys = max(n + c - w for n, c, w in zip(counts, ctx, ws))
+        out = fast_decode_attention(
+            query[tok_idx], buf.keys, buf.values, key_cache, value_cache, bt, host[0],
+            torch.zeros_like(host[0]), host[1], buf.length_dev, buf.window_start_dev, self.scale,
+            default_num_splits(len(rows), hkv, max_keys), slot_map=buf.slot_map_dev)
+        output[tok_idx] = out.to(output.dtype)
+        for r, n, c, w in zip(rows, counts, ctx, ws):
+            self.controller.stats.record_fast_layer(plan.req_ids[r], n + c - w, c)
 
     def _window_start(self, cfg, ctx: int, selected_at: int) -> int:
         return max(selected_at, window_start(cfg, ctx)) if cfg.slides_window else selected_at

@@ -9,9 +9,11 @@ Two kinds of step:
   (``UNIFORM_SINGLE_TOKEN_DECODE``) and replays them with later steps' tables.
 * **Eager steps** (prefill rows, slow rows, Quest rows): the runner hook steers them to vLLM's
   piecewise graphs (attention eager). FlashAttention runs the kernel rows (prefill, dense, slow);
-  slow rows are then scored by the Triton score kernel, re-selected by the batched Selector (torch
-  tensor ops replayed from a CUDA graph per shape, :mod:`sfi_vllm.backends.selection`) and
-  repacked in one launch; fast rows run the fast-step kernel.
+  slow rows are then scored by the Triton score kernel, re-selected by the Selector (fused Triton
+  kernels up to 32K-token frames, torch ops beyond; top-K in torch; replayed from a CUDA graph per
+  shape, :mod:`sfi_vllm.backends.selection`) and
+  repacked in one launch; fast rows run the fast-step kernel; Quest-style rows get their pages
+  from the page-bound kernel (``sfi_vllm_kernels.quest_pages``), repacked, then the fast-step kernel.
 
 **Second stream** (``sfi.side_stream``, on by default): a slow row's selection and repack are
 enqueued on a second CUDA stream after the layer's dense attention (the stream first waits for
