@@ -24,6 +24,7 @@ from sfi_vllm.config import SFIConfig, SFIConfigError, build_config, config_from
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
     BoundaryTokens,
+    DeferredTokens,
     SlowReason,
     SlowStepTrigger,
     StepMode,
@@ -95,6 +96,9 @@ class SFIController:
         # The plan is made on the host here (the reference path); the trigger is vectorised so the
         # GPU fast path can run it on device tensors.
         self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary, device="cpu")
+        # The last sampled tokens live on the GPU; they are read to the host (a device sync) only
+        # at steps whose decisions need them (see DeferredTokens).
+        self.tokens = DeferredTokens(self.trigger)
         self.boundary = boundary
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -255,11 +259,11 @@ class SFIController:
             else:
                 self._reset(slots[i])  # (re)prefill: the next decode step starts afresh
         if decode_rows:
-            idx = torch.tensor(decode_rows)
-            mode, reason = self.trigger.step(
-                torch.tensor([slots[i] for i in decode_rows]),
-                first_input_tokens[idx].to("cpu"),
-                torch.tensor([context[i] for i in decode_rows]),
+            dslots = [slots[i] for i in decode_rows]
+            mode, reason = self.tokens.step(
+                dslots, [self.generation[s] for s in dslots], first_input_tokens, decode_rows,
+                [context[i] for i in decode_rows], self.generation,
+                defer=first_input_tokens.device.type != "cpu",
             )
             for j, i in enumerate(decode_rows):
                 modes[i], reasons[i] = int(mode[j]), int(reason[j])

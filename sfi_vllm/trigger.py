@@ -142,18 +142,38 @@ class SlowStepTrigger:
         self.pending[slots] = False
         self.initialized[slots] = False
 
+    def needs_token(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Rows whose decision this step depends on their input token: the boundary trigger is on
+        and past its minimum gap, and no token-independent trigger (first step, reuse budget,
+        dense range, never-slow policy) decides the step anyway."""
+        slots = slots.to(self.device, torch.long)
+        fast_since = self.fast_since_slow[slots]
+        dense = context_lens.to(self.device) < self.dense_below[slots]
+        return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
+                & (fast_since >= self.min_gap[slots]) & (fast_since < self.reuse_budget[slots]))
+
     def step(
-        self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor
+        self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor,
+        known: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide and advance one decode step for each row.
 
         ``slots``: request slots; ``tokens``: each row's input token (the last sampled one);
         ``context_lens``: tokens in the KV cache including this step's. Returns ``(mode, reason)``
         as int8 tensors of :class:`StepMode` and :class:`SlowReason` values.
+
+        ``known`` (bool per row, default all): rows whose token is not given. Their decision must
+        not depend on it (:meth:`needs_token` false); their boundary state is left as it was and
+        must be brought up to date with :meth:`replay` before the row's next step that has its
+        token, in token order (:class:`DeferredTokens` does this).
         """
         slots = slots.to(self.device, torch.long)
         tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
         context_lens = context_lens.to(self.device)
+        if known is not None:
+            known = known.to(self.device)
+            if bool((self.needs_token(slots, context_lens) & ~known).any()):
+                raise RuntimeError("sfi-vllm: a decode row's boundary check needs its token; this is a bug")
 
         fast_since = self.fast_since_slow[slots]
         pending = self.pending[slots]
@@ -162,6 +182,9 @@ class SlowStepTrigger:
         at_ender = self.at_ender[slots]
         boundary = torch.where(at_ender, is_ender, pending & ~is_skip)
         new_pending = ~at_ender & (is_ender | (pending & is_skip))
+        if known is not None:
+            boundary = boundary & known
+            new_pending = torch.where(known, new_pending, pending)
         boundary = boundary & self.boundary_on[slots]
 
         dense = context_lens < self.dense_below[slots]
@@ -182,5 +205,69 @@ class SlowStepTrigger:
             slow | dense, torch.zeros_like(fast_since), fast_since + 1
         )
         self.initialized[slots] = ~dense
-        self.pending[slots] = new_pending & ~dense
+        if known is None:
+            self.pending[slots] = new_pending & ~dense
+        else:  # unknown rows: replay() applies their token and this step's dense flag later
+            self.pending[slots] = torch.where(known, new_pending & ~dense, pending)
         return mode.to(torch.int8), reason.to(torch.int8)
+
+    def replay(self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """The boundary-state update that :meth:`step` left out for rows with unknown tokens."""
+        slots = slots.to(self.device, torch.long)
+        tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
+        pending = self.pending[slots]
+        new_pending = ~self.at_ender[slots] & (self.ender[tokens] | (pending & self.skip[tokens]))
+        dense = context_lens.to(self.device) < self.dense_below[slots]
+        self.pending[slots] = new_pending & ~dense
+
+
+class DeferredTokens:
+    """Run the trigger without reading each step's tokens to the host when no decision needs them.
+
+    The tokens a step's plan reads were sampled on the GPU; reading them to the host waits for the
+    previous step to finish (a device sync that also stalls vLLM's async scheduling). Most steps do
+    not need them: inside a row's minimum gap after a slow step, or with the boundary trigger off,
+    no token can change a decision. Those steps keep their token tensor (device memory, no copy);
+    the first step whose decision needs a token reads every kept tensor and its own in one copy and
+    replays the kept ones in order first (:meth:`SlowStepTrigger.replay`), so the decisions are
+    exactly those of reading every token at once. Kept tokens of a slot whose request was reset
+    since (generation changed) are dropped; after ``max_steps`` kept steps they are read anyway.
+    """
+
+    def __init__(self, trigger: SlowStepTrigger, max_steps: int = 256) -> None:
+        self.trigger = trigger
+        self.max_steps = max_steps
+        self.kept: list[tuple[torch.Tensor, list[int], list[int], list[int], list[int]]] = []
+        self.reads = 0  # host reads of tokens (each a device sync when the tokens live on a GPU)
+        self.steps = 0
+
+    def step(self, slots: list[int], generations: list[int], tokens: torch.Tensor, rows: list[int],
+             contexts: list[int], current_generation: list[int], defer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide one step (see :meth:`SlowStepTrigger.step`) for the decode rows whose input
+        tokens are ``tokens[rows[j]]`` (``tokens`` on any device, not indexed until read);
+        ``current_generation`` is the controller's per-slot generation list."""
+        st, ct = torch.tensor(slots), torch.tensor(contexts)
+        self.steps += 1
+        if defer and len(self.kept) < self.max_steps and not bool(self.trigger.needs_token(st, ct).any()):
+            self.kept.append((tokens, list(rows), list(slots), list(generations), list(contexts)))
+            unknown = torch.zeros(len(slots), dtype=torch.bool)
+            return self.trigger.step(st, torch.zeros(len(slots), dtype=torch.long), ct, known=unknown)
+        host = self._read(tokens, current_generation)
+        return self.trigger.step(st, host[torch.tensor(rows, dtype=torch.long)], ct)
+
+    def _read(self, tokens: torch.Tensor, current_generation: list[int]) -> torch.Tensor:
+        """One host copy of the kept token tensors and ``tokens``; replays the kept steps; returns
+        ``tokens`` on the host."""
+        parts = [t for t, *_ in self.kept] + [tokens]
+        self.reads += 1
+        flat = torch.cat([t.reshape(-1).to(torch.long) for t in parts]).to("cpu")
+        at = 0
+        for t, rows, slots, gens, ctxs in self.kept:
+            vals = flat[at:at + t.numel()]
+            at += t.numel()
+            live = [j for j, (s, g) in enumerate(zip(slots, gens)) if current_generation[s] == g]
+            if live:
+                self.trigger.replay(torch.tensor([slots[j] for j in live]), vals[[rows[j] for j in live]],
+                                    torch.tensor([ctxs[j] for j in live]))
+        self.kept.clear()
+        return flat[at:]

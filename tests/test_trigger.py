@@ -121,3 +121,85 @@ def test_boundary_set_from_a_real_tokenizer():
     b = boundary_tokens_from_tokenizer(hf, newline_is_boundary=True)
     assert b.enders == {2, 3, 4, 5, 7}
     assert b.skips == {4}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_tokens_decide_exactly_as_reading_every_token(seed):
+    """DeferredTokens (tokens read only when a decision needs them) against the trigger fed every
+    token: random token streams, per-slot configs (boundary modes, gaps, budgets, dense range,
+    trigger off, Quest), rows joining, leaving and being reset mid-stream."""
+    from sfi_vllm.trigger import DeferredTokens
+
+    g = torch.Generator().manual_seed(seed)
+    cfgs = [build_config(c, use_env=False) for c in (
+        {"reuse_budget": 12, "min_gap": 4},
+        {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
+        {"reuse_budget": 9, "min_gap": 0},
+        {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
+        {"reuse_budget": 20, "min_gap": 5, "dense_below_context": 1010},
+        {"policy": "quest"},
+    )]
+    slots = 6
+    eager = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
+    lazy = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
+    deferred = DeferredTokens(lazy, max_steps=40)
+    generation = [0] * slots
+    context = [1000] * slots
+    for s in range(slots):
+        for t in (eager, lazy):
+            t.configure(s, cfgs[s])
+    skipped_reads = 0
+    for step in range(400):
+        if step % 37 == 11:  # a request ends and another takes its slot: reset
+            s = int(torch.randint(0, slots, (1,), generator=g))
+            generation[s] += 1
+            context[s] = 1000
+            for t in (eager, lazy):
+                t.reset(torch.tensor([s]))
+        active = [s for s in range(slots) if torch.rand(1, generator=g) < 0.8]
+        if not active:
+            continue
+        # tokens of all "rows" of the step (some rows are not decode rows: their entries are noise)
+        rows = sorted(torch.randperm(len(active) + 2, generator=g)[: len(active)].tolist())
+        all_tokens = torch.randint(1, 6, (len(active) + 2,), generator=g)
+        ctx = [context[s] for s in active]
+        m1, r1 = eager.step(torch.tensor(active), all_tokens[rows], torch.tensor(ctx))
+        before = deferred.reads
+        m2, r2 = deferred.step(active, [generation[s] for s in active], all_tokens, rows, ctx, generation, defer=True)
+        skipped_reads += deferred.reads == before
+        assert torch.equal(m1, m2) and torch.equal(r1, r2), step
+        for s in active:
+            context[s] += 1
+    assert torch.equal(eager.pending, lazy.pending) or deferred.kept  # kept steps not replayed yet
+    assert skipped_reads > 10, skipped_reads  # a mixed batch rarely has no row past its gap
+
+
+def test_deferred_tokens_one_request_reads_only_past_the_gap():
+    """One request, the default gap (16) and budget (64), sentences of 10-40 tokens: the tokens
+    of the steps inside the gap are never read on their own."""
+    from sfi_vllm.trigger import DeferredTokens
+
+    g = torch.Generator().manual_seed(0)
+    cfg = build_config({}, use_env=False)
+    eager = SlowStepTrigger(cfg, num_slots=1, vocab_size=8, boundary=BOUNDARY)
+    lazy = SlowStepTrigger(cfg, num_slots=1, vocab_size=8, boundary=BOUNDARY)
+    deferred = DeferredTokens(lazy)
+    stream = []
+    while len(stream) < 2000:
+        stream += [WORD] * int(torch.randint(10, 40, (1,), generator=g)) + [END]
+    for i, tok in enumerate(stream):
+        m1, r1 = eager.step(torch.tensor([0]), torch.tensor([tok]), torch.tensor([1000 + i]))
+        m2, r2 = deferred.step([0], [0], torch.tensor([tok]), [0], [1000 + i], [0], defer=True)
+        assert torch.equal(m1, m2) and torch.equal(r1, r2), i
+    assert deferred.reads < 0.6 * deferred.steps, (deferred.reads, deferred.steps)
+
+
+def test_deferred_tokens_never_read_without_the_boundary_trigger():
+    from sfi_vllm.trigger import DeferredTokens
+
+    cfg = build_config({"boundary_trigger": False, "reuse_budget": 5, "min_gap": 0}, use_env=False)
+    trig = SlowStepTrigger(cfg, num_slots=2, vocab_size=8, boundary=BOUNDARY)
+    deferred = DeferredTokens(trig, max_steps=1000)
+    for i in range(50):
+        deferred.step([0, 1], [0, 0], torch.tensor([END, WORD]), [0, 1], [1000 + i] * 2, [0, 0], defer=True)
+    assert deferred.reads == 0 and deferred.steps == 50
