@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sfi_vllm.config import SFIConfig
+from sfi_vllm.host_copy import tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
 
 
@@ -163,7 +164,7 @@ class PackedCompactBuffer:
             )
         dev = self.keys.device
         targets = [self.target(s) for s in slots]
-        meta = torch.tensor([targets, counts, window_starts, slots], dtype=torch.int32).to(dev, non_blocking=True)
+        meta = tensor_to_device([targets, counts, window_starts, slots], dev, torch.int32)
         key_cache, value_cache = paged.nhd_views()
         repack(key_cache, value_cache, block_tables.to(torch.int32), meta[0],
                positions.to(dev, torch.int32).contiguous(), meta[1], self.keys, self.values)

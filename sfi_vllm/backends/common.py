@@ -25,6 +25,7 @@ import torch
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
 from sfi_vllm.controller import SFIController, StepPlan
+from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.selector import Selector
 from sfi_vllm.trigger import StepMode
@@ -65,8 +66,9 @@ class FastRows:
     token: torch.Tensor | None = None
 
 
-def subset_common_metadata(cam: Any, rows: list[int]) -> tuple[Any, torch.Tensor]:
-    """``CommonAttentionMetadata`` restricted to ``rows`` (and their tokens)."""
+def subset_common_metadata(cam: Any, rows: list[int], seq_lens_host: list[int] | None = None) -> tuple[Any, torch.Tensor]:
+    """``CommonAttentionMetadata`` restricted to ``rows`` (and their tokens); ``seq_lens_host``:
+    every row's sequence length on the host (else read from the device: a sync)."""
     qsl = cam.query_start_loc_cpu.to(torch.long)
     dev = cam.query_start_loc.device
     lens = qsl[1:] - qsl[:-1]
@@ -74,24 +76,27 @@ def subset_common_metadata(cam: Any, rows: list[int]) -> tuple[Any, torch.Tensor
     tok = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows])
     new_qsl = torch.zeros(len(rows) + 1, dtype=cam.query_start_loc_cpu.dtype)
     new_qsl[1:] = torch.cumsum(lens[rows_t], 0)
-    seq_lens = cam.seq_lens[rows_t.to(cam.seq_lens.device)]
+    rows_dev = to_device(rows_t, cam.seq_lens.device)
+    tok_dev = to_device(tok, cam.slot_mapping.device)
+    seq_lens = cam.seq_lens[rows_dev]
+    max_seq = max(seq_lens_host[r] for r in rows) if seq_lens_host is not None else int(seq_lens.max())
     fields: dict[str, Any] = dict(
-        query_start_loc=new_qsl.to(dev),
+        query_start_loc=to_device(new_qsl, dev),
         query_start_loc_cpu=new_qsl,
         seq_lens=seq_lens,
         num_reqs=len(rows),
         num_actual_tokens=int(tok.numel()),
         max_query_len=int(lens[rows_t].max()),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=cam.block_table_tensor[rows_t.to(cam.block_table_tensor.device)],
-        slot_mapping=cam.slot_mapping[tok.to(cam.slot_mapping.device)],
+        max_seq_len=max_seq,
+        block_table_tensor=cam.block_table_tensor[to_device(rows_t, cam.block_table_tensor.device)],
+        slot_mapping=cam.slot_mapping[tok_dev],
     )
     if getattr(cam, "positions", None) is not None:
-        fields["positions"] = cam.positions[tok.to(cam.positions.device)]
+        fields["positions"] = cam.positions[to_device(tok, cam.positions.device)]
     for name in ("is_prefilling", "seq_lens_cpu_upper_bound", "_seq_lens_cpu", "_num_computed_tokens_cpu"):
         value = getattr(cam, name, None)
         if isinstance(value, torch.Tensor) and value.shape[:1] == cam.seq_lens.shape[:1]:
-            fields[name] = value[rows_t.to(value.device)]
+            fields[name] = value[to_device(rows_t, value.device)]
     for name in ("logits_indices_padded", "num_logits_indices", "_num_computed_tokens_cache",
                  "_token_to_req_indices_cache"):
         if hasattr(cam, name):
@@ -128,16 +133,15 @@ def make_step(
         kernel_token_idx=None,
     )
     if fast and kernel:
-        sub, tok = subset_common_metadata(cam, kernel)
+        sub, tok = subset_common_metadata(cam, kernel, seq_lens)
         step.kernel_metadata = build_kernel_metadata(sub)
-        step.kernel_token_idx = tok
+        step.kernel_token_idx = to_device(tok, cam.slot_mapping.device)  # once per step
     return step
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small index tensor on ``device`` without a host sync (``torch.tensor(..., device=cuda)``
-    copies synchronously)."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    """A small index tensor on ``device`` without a host wait (:mod:`sfi_vllm.host_copy`)."""
+    return tensor_to_device(values, device)
 
 
 def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
@@ -176,7 +180,7 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
     """Tables of a uniform step (every row one decode token) for all ``cam.num_reqs`` rows,
     written into ``persistent (2, max_rows)`` so that a captured CUDA graph reads this step's."""
     n = cam.num_reqs
-    persistent[:, :n].copy_(fast_row_tables(plan, list(range(n))), non_blocking=True)
+    copy_to_device(persistent[:, :n], fast_row_tables(plan, list(range(n))))
     if plan is not None and controller.buffers:
         record_fast_rows(controller, plan, plan.rows(StepMode.FAST), controller.buffers[0])
     return FastRows(rows=n, slot=persistent[0], min_window_start=persistent[1],
@@ -192,7 +196,7 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
     host = torch.cat([fast_row_tables(plan, rows),
                       torch.tensor([[step.row_token[r] for r in rows]], dtype=torch.int32)])
     dev = cam.seq_lens.device
-    tables = host.to(dev, non_blocking=True)
+    tables = to_device(host, dev)
     idx = _to_device(rows, dev)
     step.fast_tables = FastRows(rows=len(rows), slot=tables[0], min_window_start=tables[1],
                                 seq_lens=cam.seq_lens[idx].to(torch.int32),
@@ -306,7 +310,7 @@ class SFILayer:
             key_cache, _ = paged.nhd_views()
             all_scored = len(scored) == len(rows)
             sub = None if all_scored else _to_device(scored, dev)
-            seq = torch.tensor([ctx[i] for i in scored], dtype=torch.int32).to(dev, non_blocking=True)
+            seq = tensor_to_device([ctx[i] for i in scored], dev, torch.int32)
             sel = self.controller.slow_selection.select(
                 self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
                 bt if all_scored else bt[sub], seq,
@@ -396,12 +400,11 @@ class SFILayer:
         scored = [i for i in range(len(rows)) if 0 < budget[i] < n_pages[i]]
         if scored:
             sub = _to_device(scored, dev)
-            meta = torch.tensor([[lo[i] for i in scored], [n_pages[i] for i in scored]],
-                                dtype=torch.int32).to(dev, non_blocking=True)
+            meta = tensor_to_device([[lo[i] for i in scored], [n_pages[i] for i in scored]], dev, torch.int32)
             key_cache, _ = paged.nhd_views()
             scores = quest_page_scores(query[tok_idx[sub]], key_cache, bt[sub], meta[0], meta[1], page,
                                        max(n_pages[i] for i in scored))
-            k_dev = torch.tensor([budget[i] for i in scored], dtype=torch.long).to(dev, non_blocking=True)
+            k_dev = tensor_to_device([budget[i] for i in scored], dev)
             kk = max(budget[i] for i in scored)
             top = top_k_positions(scores, 0, k_dev, kk)  # (S, Hkv, kk) page indices, ascending
             tok = meta[0].long()[:, None, None, None] + top[..., None] * page + torch.arange(page, device=dev)
@@ -410,7 +413,7 @@ class SFILayer:
         counts = [sinks + (budget[i] * page if i in scored else 0) for i in range(len(rows))]
         buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
                       positions, counts, ws)
-        host = torch.tensor([[plan.slots[r] for r in rows], ctx], dtype=torch.int32).to(dev, non_blocking=True)
+        host = tensor_to_device([[plan.slots[r] for r in rows], ctx], dev, torch.int32)
         key_cache, value_cache = paged.nhd_views()
         max_keys = max(n + c - w for n, c, w in zip(counts, ctx, ws))
         out = fast_decode_attention(
@@ -650,7 +653,7 @@ class SFIImplMixin:
             if step.kernel_token_idx is None:
                 dense(layer, query, key, value, kv_cache, attn_metadata, output)
             else:
-                idx = step.kernel_token_idx.to(query.device)
+                idx = step.kernel_token_idx
                 sub_out = torch.empty((idx.numel(),) + tuple(output.shape[1:]),
                                       dtype=output.dtype, device=output.device)
                 dense(layer, query[idx].contiguous(), key[idx].contiguous(),

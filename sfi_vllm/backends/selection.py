@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
 WIDTH_BUCKET = 2048
@@ -79,9 +80,8 @@ class SlowStepSelection:
             entry = self._new_entry(key)
         self._entries.move_to_end(key)
         slow_step_scores(q, key_cache, block_table, seq_lens, width, scale, out=(entry.logits, entry.norms))
-        host = torch.tensor([[h - lo for h in hi], k], dtype=torch.float64)
-        entry.counts.copy_(host[0], non_blocking=True)
-        entry.budgets.copy_(host[1], non_blocking=True)
+        copy_to_device(entry.counts, torch.tensor([h - lo for h in hi], dtype=torch.float32))
+        copy_to_device(entry.budgets, torch.tensor(k, dtype=torch.long))
 
         def body() -> torch.Tensor:
             if selector.cfg.smooth_kernel <= 1 and width <= FUSED_MAX_FRAME:  # fused kernels

@@ -26,6 +26,7 @@ import functools
 import torch
 
 from sfi_vllm.controller import current_controller
+from sfi_vllm.host_copy import to_device
 
 _INSTALLED = False
 
@@ -46,7 +47,7 @@ def _runner_step_inputs(runner, num_scheduled_tokens):
         starts[1:] = torch.as_tensor(num_scheduled_tokens[: num_reqs - 1]).cumsum(0)
     total = int(sum(int(x) for x in num_scheduled_tokens[:num_reqs]))
     input_ids = runner.input_ids.gpu[:total]
-    first_tokens = input_ids[starts.to(input_ids.device)]
+    first_tokens = input_ids[to_device(starts, input_ids.device)]  # stays on the device: no sync
     overrides = []  # a request's own SFI settings: SamplingParams(extra_args={"sfi": {...}})
     for r in req_ids:
         params = getattr(runner.requests[r], "sampling_params", None)
