@@ -12,7 +12,9 @@ A decode step of a sequence is
 * ``FAST`` otherwise.
 
 The state is a few tensors indexed by request slot, and :meth:`SlowStepTrigger.step` is vectorised
-over the batch's decode rows, so the same code runs on the GPU without a host sync.
+over the batch's decode rows. The controller keeps it on the host and feeds it through
+:class:`DeferredTokens`, which reads the (GPU-resident) last sampled tokens only at steps whose
+decisions depend on them.
 """
 
 from __future__ import annotations

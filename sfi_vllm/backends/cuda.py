@@ -24,9 +24,9 @@ the fast-step kernel), so a fast step reads the old or the new set, never a half
 metadata builder makes the main stream wait for the refresh stream at the start of every step.
 
 With ``sfi.kernels="torch"`` the plain-torch reference serves fast and slow rows (no packed
-buffers, no uniform path). Not done yet: GPU-side step planning: the step plan is made on the
-host, which reads the last sampled tokens (one device sync per step, which also stalls vLLM's
-async scheduling).
+buffers, no uniform path). Not done yet: GPU-side step planning. The step plan is made on the
+host; it reads the last sampled tokens (a device sync, which also stalls vLLM's async scheduling)
+only at steps where some row's boundary check is due (:class:`sfi_vllm.trigger.DeferredTokens`).
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
 before sizing the KV cache): ``2 (K, V) x sets x max_num_seqs x kv_heads x (sinks + K_max) x
