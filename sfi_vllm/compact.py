@@ -150,11 +150,12 @@ class PackedCompactBuffer:
 
     def pack_rows(self, slots: list[int], generations: list[int], paged: PagedKV,
                   block_tables: torch.Tensor, positions: torch.Tensor, counts: list[int],
-                  window_starts: list[int], publish: bool = True) -> list[int]:
+                  window_starts: list[int], publish: bool = True, cache: dict | None = None) -> list[int]:
         """Repack several slots in one launch: ``positions (B, Hkv, C)`` (sinks first, then the
         selection, ascending), of which the first ``counts[b]`` are row ``b``'s. Writes each slot's
         :meth:`target` set and, with ``publish``, publishes it (:meth:`publish`). All device work
-        is enqueued on the current stream. Returns the physical sets written."""
+        is enqueued on the current stream. Returns the physical sets written. ``cache``: a dict
+        shared by the layers of one step (the per-slot metadata tensor is made once per value)."""
         from sfi_vllm_kernels.repack import repack
 
         if max(counts) > self.capacity:
@@ -164,7 +165,12 @@ class PackedCompactBuffer:
             )
         dev = self.keys.device
         targets = [self.target(s) for s in slots]
-        meta = tensor_to_device([targets, counts, window_starts, slots], dev, torch.int32)
+        key = ("pack_meta", tuple(targets), tuple(counts), tuple(window_starts), tuple(slots))
+        meta = cache.get(key) if cache is not None else None
+        if meta is None:
+            meta = tensor_to_device([targets, counts, window_starts, slots], dev, torch.int32)
+            if cache is not None:
+                cache[key] = meta
         key_cache, value_cache = paged.nhd_views()
         repack(key_cache, value_cache, block_tables.to(torch.int32), meta[0],
                positions.to(dev, torch.int32).contiguous(), meta[1], self.keys, self.values)

@@ -158,6 +158,10 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
     ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    # a second GPU-path layer over the same step: it reuses what the first left in the step's
+    # layer cache (index tensors, positions buffer, repack metadata) and must match as well
+    packed2 = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
+    fast2 = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed2)
     paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
     cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
     paged = PagedKV(cache, "flash", d)
@@ -171,7 +175,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     step = make_step(plan_for(modes, cfg=cfg, context=ctx), cam, lambda s: None)
     attach_fast_tables(step, cam, ctl)
     outs = []
-    for layer in (ref, fast):
+    for layer in (ref, fast, fast2):
         layer.refresh(slow, paged, qd, 0)
         ctl.join_refresh()  # what the metadata builder does at the start of the next step
         out = torch.full_like(qd, float("nan"))
@@ -191,6 +195,8 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     assert same / n > 0.97, f"selections differ: {same / n:.3f} of tokens identical"
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
     assert err < 2e-2, f"fast rows: {err}"
+    assert torch.equal(outs[2], outs[1]), "a second layer of the same step (cached step tensors) differs"
+    assert slow.layer_cache, "the step's layer cache was not used"
     # the uniform launch: the same fast rows, the last row dense, one padding row (seq_len 0)
     tables = torch.zeros(2, n + 1, dtype=torch.int32)
     tables[:, :n] = fast_row_tables(step.plan, list(range(n)))

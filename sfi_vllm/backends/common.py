@@ -17,7 +17,7 @@ one decode token, none slow): one fixed-shape launch over all rows that CUDA gra
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -47,6 +47,9 @@ class SFIStep:
     kernel_token_idx: torch.Tensor | None  # token indices of the kernel rows (None: all tokens)
     kernel_metadata: Any = None  # the dense kernel's metadata for the kernel rows
     fast_tables: "FastRows | None" = None  # GPU path: the kernel's tables for the fast rows
+    # GPU path: device tensors a slow step's layers share (index tensors, block-table rows,
+    # lengths, position buffers), made by the first layer that needs them
+    layer_cache: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -257,8 +260,12 @@ class SFILayer:
             # before the next step. The rest runs on the refresh stream when there is one.
             jobs = []
             for group in groups.values():
-                tok = _to_device([step.row_token[r] for r in group], dev)
-                jobs.append((group, query[tok], step.block_table[_to_device(group, dev)].to(torch.int32)))
+                key = ("refresh", tuple(group))
+                if key not in step.layer_cache:  # once per step: the same for every layer
+                    step.layer_cache[key] = (_to_device([step.row_token[r] for r in group], dev),
+                                             step.block_table[_to_device(group, dev)].to(torch.int32))
+                tok, bt = step.layer_cache[key]
+                jobs.append((group, query[tok], bt))
             side = self.controller.fork_refresh(dev)
             if side is None:
                 for group, q_rows, bt in jobs:
@@ -303,14 +310,24 @@ class SFILayer:
         dev = q_rows.device
         hkv = self.num_kv_heads
         kmax = max(k)
-        positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
-        positions[..., :sinks] = torch.arange(sinks, device=dev)
         scored = [i for i, r in enumerate(rows) if 0 < k[i] < ws[i] - sinks]
+        key = ("positions", tuple(rows), sinks)
+        if key not in step.layer_cache:
+            # Per step, shared by the layers (written and read in stream order): sinks and the
+            # rows whose candidates all fit are the same in every layer; the scored rows'
+            # selections are overwritten by each layer.
+            positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
+            positions[..., :sinks] = torch.arange(sinks, device=dev)
+            for i in range(len(rows)):
+                if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits
+                    positions[i, :, sinks:sinks + k[i]] = torch.arange(sinks, sinks + k[i], device=dev)
+            step.layer_cache[key] = (positions,
+                                     _to_device(scored, dev) if 0 < len(scored) < len(rows) else None,
+                                     tensor_to_device([ctx[i] for i in scored], dev, torch.int32) if scored else None)
+        positions, sub, seq = step.layer_cache[key]
         if scored:
             key_cache, _ = paged.nhd_views()
-            all_scored = len(scored) == len(rows)
-            sub = None if all_scored else _to_device(scored, dev)
-            seq = tensor_to_device([ctx[i] for i in scored], dev, torch.int32)
+            all_scored = sub is None
             sel = self.controller.slow_selection.select(
                 self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
                 bt if all_scored else bt[sub], seq,
@@ -319,11 +336,8 @@ class SFILayer:
                 positions[:, :, sinks:sinks + sel.shape[-1]] = sel
             else:
                 positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
-        for i in range(len(rows)):
-            if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits
-                positions[i, :, sinks:sinks + k[i]] = torch.arange(sinks, sinks + k[i], device=dev)
         buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
-                      positions, [sinks + kk for kk in k], ws)
+                      positions, [sinks + kk for kk in k], ws, cache=step.layer_cache)
 
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""

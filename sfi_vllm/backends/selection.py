@@ -48,6 +48,7 @@ class _Entry:
     counts: torch.Tensor  # (R,) float32: candidates per row
     budgets: torch.Tensor  # (R,) int64: K per row
     positions: torch.Tensor | None = None  # (R, Hkv, kmax) int64, static output
+    loaded: tuple | None = None  # the counts and budgets last copied in
     graph: Any = None
 
 
@@ -80,8 +81,11 @@ class SlowStepSelection:
             entry = self._new_entry(key)
         self._entries.move_to_end(key)
         slow_step_scores(q, key_cache, block_table, seq_lens, width, scale, out=(entry.logits, entry.norms))
-        copy_to_device(entry.counts, torch.tensor([h - lo for h in hi], dtype=torch.float32))
-        copy_to_device(entry.budgets, torch.tensor(k, dtype=torch.long))
+        loaded = (tuple(h - lo for h in hi), tuple(k))
+        if entry.loaded != loaded:  # the layers of a step share them: copied once per step
+            copy_to_device(entry.counts, torch.tensor(loaded[0], dtype=torch.float32))
+            copy_to_device(entry.budgets, torch.tensor(loaded[1], dtype=torch.long))
+            entry.loaded = loaded
 
         def body() -> torch.Tensor:
             if selector.cfg.smooth_kernel <= 1 and width <= FUSED_MAX_FRAME:  # fused kernels
