@@ -1,0 +1,128 @@
+"""Where SFI's selection loses the needle: needle recall of each policy's selected set (CPU).
+
+    python benchmarks/selection_recall.py --context 2048 --samples 10 --out recall.jsonl
+
+For passkey samples of the quality suite, SmolLM2-135M-Instruct (transformers, float32, eager
+attention) runs the chat prompt and its first greedy token, which is what vLLM's first decode step
+(a slow step for every selecting policy) attends with. From that step's attention probabilities
+and the cached keys, the reference Selector (:class:`sfi_vllm.selector.Selector`, the spec the GPU
+kernels match) picks each policy's selected set per layer and KV head, at the policy's own working
+set for each retention (:func:`sfi_vllm.policies.policy_overrides`). Printed per policy and
+retention: the share of the needle's tokens (both occurrences of the pass key's digits) that are
+selected, averaged over layers and KV heads; the share of (layer, head) sets holding every needle
+token; and the evidence mass f on the needle. Samples whose needle lies in the recent window (kept
+by every policy) are left out of the means and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import torch
+
+POLICIES = ("sfi", "sfi-no-prior", "sfi-no-nms", "sfi-no-exclusivity", "sfi-evidence-only", "sfi-smooth", "snapkv")
+
+
+def needle_positions(tok: Any, text: str, key: str) -> list[int]:
+    """Token indices of ``text`` (as tokenised without special handling) overlapping any occurrence of ``key``."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, start = [], 0
+    while (i := text.find(key, start)) >= 0:
+        spans.append((i, i + len(key)))
+        start = i + len(key)
+    return [t for t, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--retentions", default="0.1,0.2")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", default=None, help="also write one JSON object per sample x policy x retention")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sfi_vllm.compact import selected_count, window_start
+    from sfi_vllm.config import build_config
+    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.quality.tasks import make_samples
+    from sfi_vllm.selector import Selector
+
+    torch.manual_seed(0)
+    model_dir = prepare_model(progress=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cfg_m = model.config
+    hq, hkv = cfg_m.num_attention_heads, cfg_m.num_key_value_heads
+    retentions = [float(x) for x in args.retentions.split(",")]
+    policies = args.policies.split(",")
+    rows: list[dict] = []
+    for smp in make_samples(tok, "passkey", args.context, args.samples):
+        text = tok.apply_chat_template([{"role": "user", "content": smp.prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        needle = needle_positions(tok, text, smp.answers[0])
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            first = out.logits[0, -1].argmax().view(1, 1)
+            step = model(first, past_key_values=out.past_key_values, use_cache=True, output_attentions=True)
+        ctx = ids.shape[1] + 1
+        cache = step.past_key_values
+        for r in retentions:
+            for pol in policies:
+                cfg = build_config({"boundary_token_ids": [0], **policy_overrides(pol, r, ctx)}, use_env=False)
+                ws, sinks, k = window_start(cfg, ctx), min(cfg.sinks, ctx), selected_count(cfg, ctx)
+                cand = [p for p in needle if sinks <= p < ws]
+                sel = Selector(cfg.selector)
+                recall, full, mass = [], [], []
+                for layer, att in enumerate(step.attentions):
+                    probs = att[0, :, 0, :].view(hkv, hq // hkv, ctx)  # (Hkv, G, ctx)
+                    keys = cache.layers[layer].keys[0] if hasattr(cache, "layers") else cache[layer][0][0]
+                    norms = keys[:, sinks:ws].float().norm(dim=-1)  # (Hkv, C)
+                    f = sel.evidence(probs, sinks, ws)
+                    chosen = sel.select(probs, norms, sinks, ws, k, 1) if 0 < k < ws - sinks else \
+                        torch.arange(sinks, sinks + k).expand(hkv, k)
+                    for h in range(hkv) if cand else ():
+                        got = set(chosen[h].tolist())
+                        hit = sum(p in got for p in cand)
+                        recall.append(hit / len(cand))
+                        full.append(hit == len(cand))
+                        mass.append(float(f[h, [p - sinks for p in cand]].sum()))
+                if not cand:  # the needle is in the window (or the sinks): every policy keeps it
+                    rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
+                                     window_start=ws, needle_tokens=len(needle), needle_candidates=0))
+                    continue
+                rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
+                                 window_start=ws, needle_tokens=len(needle), needle_candidates=len(cand),
+                                 recall=statistics.fmean(recall), all_needle=statistics.fmean(full),
+                                 needle_evidence=statistics.fmean(mass)))
+        print(f"sample {smp.index}: {len(needle)} needle tokens, {len(cand)} among the candidates", flush=True)
+    print(f"\npasskey, {args.context}-token suite, {args.samples} samples; mean over samples of the mean over "
+          f"{len(step.attentions)} layers x {hkv} KV heads")
+    print("| policy | retention | needle recall | sets with the whole needle | evidence mass on needle | samples |")
+    print("|---|---|---|---|---|---|")
+    for r in retentions:
+        for pol in policies:
+            sub = [x for x in rows if x["policy"] == pol and x["retention"] == r and x["needle_candidates"]]
+            skipped = sum(1 for x in rows if x["policy"] == pol and x["retention"] == r and not x["needle_candidates"])
+            if not sub:
+                continue
+            print(f"| {pol} | {r:.2f} | {100 * statistics.fmean(x['recall'] for x in sub):.1f}% | "
+                  f"{100 * statistics.fmean(x['all_needle'] for x in sub):.1f}% | "
+                  f"{statistics.fmean(x['needle_evidence'] for x in sub):.4f} | {len(sub)} ({skipped} in the window) |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            for x in rows:
+                fh.write(json.dumps(x) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
