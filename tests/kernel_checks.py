@@ -33,6 +33,18 @@ def block_tables(seq_lens, page, spare, gen, device):
     return nb, bt.to(device)
 
 
+def device_batch(seq_lens, device, dtype, hq, hkv, d, seed=0):
+    """``make_batch``'s paged cache, metadata and queries (one decode token per row) on ``device``."""
+    from test_sfi_layer import make_batch
+
+    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * len(seq_lens), hq=hq, hkv=hkv, d=d,
+                                         seed=seed)
+    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
+    cam.block_table_tensor = cam.block_table_tensor.to(device)
+    cam.seq_lens = cam.seq_lens.to(device)
+    return PagedKV(cache, "flash", d), cam, q.to(device, dtype)
+
+
 def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 900, 5000, 257, 700, 0), compact=(300, 70, 1000, 4, None, None),
                       window=(256, 300, 270, 200, None, None), min_ws=(0, 0, 4900, 0, 0, 0),
@@ -149,7 +161,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
-    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+    from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
     over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides(policy, retention, max(seq_lens))}
@@ -162,12 +174,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     # layer cache (index tensors, positions buffer, repack metadata) and must match as well
     packed2 = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast2 = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed2)
-    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
-    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
-    paged = PagedKV(cache, "flash", d)
-    cam.block_table_tensor = cam.block_table_tensor.to(device)
-    cam.seq_lens = cam.seq_lens.to(device)
-    qd = q.to(device, dtype)
+    paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d)
     ctx = list(seq_lens)
     slow = make_step(plan_for([StepMode.SLOW] * n, cfg=cfg, context=ctx), cam, lambda s: None)
     # the fast step: one token later for every row (the window slides by one)
@@ -357,7 +364,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     from sfi_vllm.controller import SFIController
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+    from test_sfi_layer import fake_vllm_config, plan_for
 
     device = "cuda"
     n = len(seq_lens)
@@ -366,14 +373,9 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     assert ctl.cfg.side_stream
     packed = PackedCompactBuffer(4, hkv, ctl.cfg.compact_capacity(max(seq_lens)), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
-    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d)
-    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
-    paged = PagedKV(cache, "flash", d)
-    cam.block_table_tensor = cam.block_table_tensor.to(device)
-    cam.seq_lens = cam.seq_lens.to(device)
+    paged, cam, q1 = device_batch(seq_lens, device, dtype, hq, hkv, d)
     ctx = list(seq_lens)
-    q1 = q.to(device, dtype)
-    q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(11)).to(device, dtype)
+    q2 = torch.randn(q1.shape, generator=torch.Generator().manual_seed(11)).to(device, dtype)
     slow = make_step(plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=ctx), cam, lambda s: None)
     step = make_step(plan_for([StepMode.FAST] * n, cfg=ctl.cfg, context=ctx), cam, lambda s: None)
     attach_fast_tables(step, cam, ctl)
@@ -427,7 +429,7 @@ def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.controller import SFIController
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from test_sfi_layer import fake_vllm_config, make_batch, plan_for
+    from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
     over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("quest", retention, 3000)}
@@ -436,12 +438,7 @@ def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
     ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
-    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * n, hq=hq, hkv=hkv, d=d, seed=3)
-    cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
-    paged = PagedKV(cache, "flash", d)
-    cam.block_table_tensor = cam.block_table_tensor.to(device)
-    cam.seq_lens = cam.seq_lens.to(device)
-    qd = q.to(device, dtype)
+    paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=3)
     step = make_step(plan_for([StepMode.FAST] * n, cfg=cfg, context=list(seq_lens)), cam, lambda s: None)
     kinds = set()
     for r, c in enumerate(seq_lens):
