@@ -1,15 +1,16 @@
 """Where SFI's selection loses the needle: needle recall of each policy's selected set (CPU).
 
     python benchmarks/selection_recall.py --context 2048 --samples 10 --out recall.jsonl
+    python benchmarks/selection_recall.py --task niah_single --context 2048 --samples 20
 
-For passkey samples of the quality suite, SmolLM2-135M-Instruct (transformers, float32, eager
+For samples of a retrieval task of the quality suite (passkey by default), SmolLM2-135M-Instruct (transformers, float32, eager
 attention) runs the chat prompt and its first greedy token, which is what vLLM's first decode step
 (a slow step for every selecting policy) attends with. From that step's attention probabilities
 and the cached keys, the reference Selector (:class:`sfi_vllm.selector.Selector`, the spec the GPU
 kernels match) picks each policy's selected set per layer and KV head, at the policy's own working
 set for each retention (:func:`sfi_vllm.policies.policy_overrides`). Printed per policy and
-retention: the share of the needle's tokens (both occurrences of the pass key's digits) that are
-selected, averaged over layers and KV heads; the share of (layer, head) sets holding every needle
+retention: the share of the needle's tokens (every occurrence of every answer string in the
+prompt, e.g. both occurrences of the pass key) that are selected, averaged over layers and KV heads; the share of (layer, head) sets holding every needle
 token; and the evidence mass f on the needle. Samples whose needle lies in the recent window (kept
 by every policy) are left out of the means and counted.
 """
@@ -26,18 +27,22 @@ import torch
 POLICIES = ("sfi", "sfi-no-prior", "sfi-no-nms", "sfi-no-exclusivity", "sfi-evidence-only", "sfi-smooth", "snapkv")
 
 
-def needle_positions(tok: Any, text: str, key: str) -> list[int]:
-    """Token indices of ``text`` (as tokenised without special handling) overlapping any occurrence of ``key``."""
+def needle_positions(tok: Any, text: str, keys: tuple[str, ...]) -> list[int]:
+    """Token indices of ``text`` (as tokenised without special handling) overlapping any occurrence
+    of any of ``keys``."""
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans, start = [], 0
-    while (i := text.find(key, start)) >= 0:
-        spans.append((i, i + len(key)))
-        start = i + len(key)
+    spans = []
+    for key in keys:
+        start = 0
+        while (i := text.find(key, start)) >= 0:
+            spans.append((i, i + len(key)))
+            start = i + len(key)
     return [t for t, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="passkey", help="a retrieval task of the suite")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--retentions", default="0.1,0.2")
@@ -64,11 +69,11 @@ def main() -> int:
     retentions = [float(x) for x in args.retentions.split(",")]
     policies = args.policies.split(",")
     rows: list[dict] = []
-    for smp in make_samples(tok, "passkey", args.context, args.samples):
+    for smp in make_samples(tok, args.task, args.context, args.samples):
         text = tok.apply_chat_template([{"role": "user", "content": smp.prompt}], tokenize=False,
                                        add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        needle = needle_positions(tok, text, smp.answers[0])
+        needle = needle_positions(tok, text, smp.answers)
         with torch.no_grad():
             out = model(ids, use_cache=True)
             first = out.logits[0, -1].argmax().view(1, 1)
@@ -104,7 +109,7 @@ def main() -> int:
                                  recall=statistics.fmean(recall), all_needle=statistics.fmean(full),
                                  needle_evidence=statistics.fmean(mass)))
         print(f"sample {smp.index}: {len(needle)} needle tokens, {len(cand)} among the candidates", flush=True)
-    print(f"\npasskey, {args.context}-token suite, {args.samples} samples; mean over samples of the mean over "
+    print(f"\n{args.task}, {args.context}-token suite, {args.samples} samples; mean over samples of the mean over "
           f"{len(step.attentions)} layers x {hkv} KV heads")
     print("| policy | retention | needle recall | sets with the whole needle | evidence mass on needle | samples |")
     print("|---|---|---|---|---|---|")
