@@ -98,10 +98,12 @@ def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform:
     return us, ns
 
 
-def slow_select_us(kv, q, bt, context: int, cfg) -> float:
+def slow_select_us(kv, q, bt, context: int, cfg, fused_max_frame: int | None = None) -> float:
     """One layer's selection work at a slow step for every row (all rows slow), as
     ``SFILayer._refresh_packed`` launches it: score kernel + the selection CUDA graph
-    (``SlowStepSelection``, captured before timing), positions assembled, one repack."""
+    (``SlowStepSelection``, captured before timing), positions assembled, one repack.
+    ``fused_max_frame`` overrides the engine's bound between the fused and the torch Selector
+    (0: torch for every frame; a large number: fused for every frame)."""
     from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.compact import PackedCompactBuffer, selected_count, window_start
     from sfi_vllm.paged_kv import PagedKV
@@ -115,7 +117,7 @@ def slow_select_us(kv, q, bt, context: int, cfg) -> float:
     sinks = cfg.sinks
     buf = PackedCompactBuffer(B, HKV, sinks + k, D, q.dtype, q.device)
     sel = Selector(cfg.selector)
-    graphs = SlowStepSelection()
+    graphs = SlowStepSelection() if fused_max_frame is None else SlowStepSelection(fused_max_frame=fused_max_frame)
     lens = torch.full((B,), context, device=q.device, dtype=torch.int32)
 
     def work():

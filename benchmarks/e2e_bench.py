@@ -129,6 +129,7 @@ def attention_times(batch: int, context: int) -> dict:
     import torch
 
     from attn_timing import WINDOW, fa3_us, setup, sfi_fast_us, slow_select_us
+    from sfi_vllm.backends.selection import FUSED_MAX_FRAME, SlowStepSelection
     from sfi_vllm.compact import selected_count, window_start
     from sfi_vllm.config import build_config
 
@@ -139,10 +140,16 @@ def attention_times(batch: int, context: int) -> dict:
     ws = window_start(cfg, context)
     n_compact = cfg.sinks + selected_count(cfg, context)
     fast, _ = sfi_fast_us(q, kc, vc, bt, lens, n_compact, ws, uniform=True)
-    select = slow_select_us(kv, q, bt, context, cfg)
+    # both Selector paths, so that the engine's bound between them (FUSED_MAX_FRAME) can be checked;
+    # slow_select_us is the one the engine takes at this context
+    fused = slow_select_us(kv, q, bt, context, cfg, fused_max_frame=1 << 30)
+    torch_path = slow_select_us(kv, q, bt, context, cfg, fused_max_frame=0)
+    engine_fused = SlowStepSelection.frame_width(context) <= FUSED_MAX_FRAME
+    select = fused if engine_fused else torch_path
     del kv, kc, vc
     torch.cuda.empty_cache()
     return dict(dense_attn_us=round(dense, 1), fast_attn_us=round(fast, 1), slow_select_us=round(select, 1),
+                slow_select_fused_us=round(fused, 1), slow_select_torch_us=round(torch_path, 1),
                 working_set=n_compact + context - ws, window=WINDOW)
 
 

@@ -1,14 +1,16 @@
-"""The Selector's scores (steps 1-5) for a batch of slow rows in three launches.
+"""The Selector's scores (steps 1-5) for a batch of slow rows in six launches, no host sync.
 
 Reference (the spec): :func:`sfi_vllm.selector.batched_scores_static` applied to
 ``softmax(logits, -1)``; top-K stays in torch (:func:`sfi_vllm.selector.top_k_positions`).
 The torch version is about a hundred small launches per layer; even replayed from a CUDA graph it
 took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. Here:
 
-1. ``_stats`` (one program per row x KV head) streams the frame three times: per query row of the
-   GQA group the log-sum-exp of the logits (the slow step's softmax, never materialised) and the
-   prior's log-normaliser; then the sum of the pooled evidence; then the two sums of the adaptive
-   lambda. Writes five scalars per (row, head) (plus one per query row).
+1. Statistics, with each (row, KV head)'s frame split across programs (``stat_splits``):
+   ``_stats_partials`` (per split: running max and sum of the logits' exponentials for each query
+   row of the GQA group, i.e. the slow step's softmax normaliser, never materialised; and the same
+   for the prior), ``_stats_total`` (the pooled evidence's sum), ``_stats_lambda`` (the adaptive
+   lambda's two sums); each merges the earlier passes' per-split partials itself.
+   ``_stats_finish`` writes five scalars per (row, head) (plus one per query row).
 2. ``_fused_log_s`` (row x head x tile) recomputes evidence, prior and fusion pointwise from those
    scalars and writes ``log s`` (``-inf`` past a row's candidates).
 3. ``_nms_exclusivity`` (row x tile, all KV heads of the row in one tile): the soft-NMS local
@@ -25,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-_EPS = 1e-30
-_LOG_FLOOR = -80.0
+# The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
+# One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
+# layer at 6 x 128K, 48 programs). 512 programs is about four per SM there.
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -52,12 +57,119 @@ def _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G: tl.constex
 
 
 @triton.jit
-def _stats(LOGITS, NORMS, N, LSE, STATS,
-           stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,
-           frame, lo, width, alpha, w_norm, w_pos, gamma, beta, eta, pos_power, lam_max,
-           HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, USE_PRIOR: tl.constexpr,
-           BLOCK: tl.constexpr):
+def _stats_partials(LOGITS, NORMS, N, M1, S1, MR, SR,
+                    stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,
+                    frame, lo, width, chunk_f, chunk_w, w_norm, w_pos, gamma, beta, eta, pos_power,
+                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, USE_PRIOR: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Pass 1 over one split of the frame: per query row of the group the running max and sum of
+    ``exp(logit - max)`` (the slow step's softmax normaliser, split like flash-decoding), and the
+    same for the prior's ``log r`` over the split's candidates."""
     pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsp = tl.num_programs(1)
+    b = pid // HKV
+    h = pid % HKV
+    n = tl.load(N + b)
+    L = LOGITS + b * stride_lb + h * stride_lh
+    offs = tl.arange(0, BLOCK)
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    f0 = sp * chunk_f
+    f1 = tl.minimum(f0 + chunk_f, frame)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    s = tl.zeros([G_PAD], tl.float32)
+    for start in range(f0, f1, BLOCK):
+        t = start + offs
+        lg = tl.load(L + offs_g[:, None] * stride_lg + t[None, :], mask=gmask[:, None] & (t < f1)[None, :],
+                     other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lg, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
+        m = m_new
+    tl.store(M1 + (pid * nsp + sp) * G_PAD + offs_g, m)
+    tl.store(S1 + (pid * nsp + sp) * G_PAD + offs_g, s)
+    if USE_PRIOR:
+        KN = NORMS + b * stride_nb + h * stride_nh
+        w0 = sp * chunk_w
+        w1 = tl.minimum(w0 + chunk_w, width)
+        mr = float("-inf")
+        sr = 0.0
+        for start in range(w0, w1, BLOCK):
+            j = start + offs
+            valid = (j.to(tl.float32) < n) & (j < w1)
+            x = _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power)
+            mr_new = tl.maximum(mr, tl.max(x, 0))
+            mr_safe = tl.where(mr_new == float("-inf"), 0.0, mr_new)
+            sr = sr * tl.exp(mr - mr_safe) + tl.sum(tl.exp(x - mr_safe), 0)
+            mr = mr_new
+        tl.store(MR + pid * nsp + sp, mr)
+        tl.store(SR + pid * nsp + sp, sr)
+
+
+@triton.jit
+def _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Each query row's log-sum-exp over the whole frame, from the splits' (max, sum) pairs
+    (0 for padding rows, so that ``_pooled`` never forms ``-inf - -inf``)."""
+    offs_s = tl.arange(0, S_PAD)
+    idx = (pid * nsp + offs_s[:, None]) * G_PAD + offs_g[None, :]
+    smask = (offs_s < nsp)[:, None]
+    m = tl.load(M1 + idx, mask=smask, other=float("-inf"))
+    s = tl.load(S1 + idx, mask=smask, other=0.0)
+    mm = tl.max(m, 0)
+    mm_safe = tl.where(mm == float("-inf"), 0.0, mm)
+    lse = mm + tl.log(tl.sum(s * tl.exp(m - mm_safe[None, :]), 0))
+    return tl.where(gmask, lse, 0.0)
+
+
+@triton.jit
+def _merged_lse_prior(MR, SR, pid, nsp, S_PAD: tl.constexpr):
+    offs_s = tl.arange(0, S_PAD)
+    smask = offs_s < nsp
+    m = tl.load(MR + pid * nsp + offs_s, mask=smask, other=float("-inf"))
+    s = tl.load(SR + pid * nsp + offs_s, mask=smask, other=0.0)
+    mm = tl.max(m, 0)
+    mm_safe = tl.where(mm == float("-inf"), 0.0, mm)
+    return mm + tl.log(tl.sum(s * tl.exp(m - mm_safe), 0))
+
+
+@triton.jit
+def _stats_total(LOGITS, N, M1, S1, TOT, stride_lb, stride_lh, stride_lg, lo, width, chunk_w, alpha,
+                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Pass 2 over one split: the pooled evidence's sum over the split's candidates."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsp = tl.num_programs(1)
+    b = pid // HKV
+    h = pid % HKV
+    n = tl.load(N + b)
+    L = LOGITS + b * stride_lb + h * stride_lh
+    offs = tl.arange(0, BLOCK)
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    lse = _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD, S_PAD)
+    w0 = sp * chunk_w
+    w1 = tl.minimum(w0 + chunk_w, width)
+    total = 0.0
+    for start in range(w0, w1, BLOCK):
+        j = start + offs
+        valid = (j.to(tl.float32) < n) & (j < w1)
+        total += tl.sum(_pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G), 0)
+    tl.store(TOT + pid * nsp + sp, total)
+
+
+@triton.jit
+def _stats_lambda(LOGITS, NORMS, N, M1, S1, MR, SR, TOT, NUM, DEN,
+                  stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,
+                  lo, width, chunk_w, alpha, w_norm, w_pos, gamma, beta, eta, pos_power,
+                  HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Pass 3 over one split: the split's share of the adaptive lambda's two sums,
+    ``<f, f - r>`` and ``|f - r|^2``."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsp = tl.num_programs(1)
     b = pid // HKV
     h = pid % HKV
     n = tl.load(N + b)
@@ -66,52 +178,44 @@ def _stats(LOGITS, NORMS, N, LSE, STATS,
     offs = tl.arange(0, BLOCK)
     offs_g = tl.arange(0, G_PAD)
     gmask = offs_g < G
-    # pass 1: log-sum-exp of each query row's logits over the whole frame (positions past the
-    # row's context hold -inf); and the prior's normaliser over the candidates
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    s = tl.zeros([G_PAD], tl.float32)
-    for start in range(0, frame, BLOCK):
-        t = start + offs
-        lg = tl.load(L + offs_g[:, None] * stride_lg + t[None, :], mask=gmask[:, None] & (t < frame)[None, :],
-                     other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lg, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
-        m = m_new
-    lse = tl.where(gmask, m + tl.log(s), 0.0)
-    mr = float("-inf")
-    sr = 0.0
-    if USE_PRIOR:
-        for start in range(0, width, BLOCK):
-            j = start + offs
-            valid = j.to(tl.float32) < n
-            x = _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power)
-            mr_new = tl.maximum(mr, tl.max(x, 0))
-            mr_safe = tl.where(mr_new == float("-inf"), 0.0, mr_new)
-            sr = sr * tl.exp(mr - mr_safe) + tl.sum(tl.exp(x - mr_safe), 0)
-            mr = mr_new
-    lse_r = mr + tl.log(sr)
-    # pass 2: the pooled evidence's total over the candidates
-    total = 0.0
-    for start in range(0, width, BLOCK):
+    offs_s = tl.arange(0, S_PAD)
+    lse = _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD, S_PAD)
+    lse_r = _merged_lse_prior(MR, SR, pid, nsp, S_PAD)
+    total = tl.sum(tl.load(TOT + pid * nsp + offs_s, mask=offs_s < nsp, other=0.0), 0)
+    w0 = sp * chunk_w
+    w1 = tl.minimum(w0 + chunk_w, width)
+    num = 0.0
+    den = 0.0
+    for start in range(w0, w1, BLOCK):
         j = start + offs
-        valid = j.to(tl.float32) < n
-        total += tl.sum(_pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G), 0)
-    # pass 3: lambda* = <f, f - r> / |f - r|^2, clipped
+        valid = (j.to(tl.float32) < n) & (j < w1)
+        pooled = _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G)
+        f = tl.where(total > 0, pooled / tl.maximum(total, 1e-30), tl.where(valid, 1.0 / n, 0.0))
+        x = _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power)
+        r = tl.where(valid, tl.exp(x - lse_r), 0.0)
+        diff = f - r
+        num += tl.sum(f * diff, 0)
+        den += tl.sum(diff * diff, 0)
+    tl.store(NUM + pid * nsp + sp, num)
+    tl.store(DEN + pid * nsp + sp, den)
+
+
+@triton.jit
+def _stats_finish(M1, S1, MR, SR, TOT, NUM, DEN, LSE, STATS, nsp, lam_max,
+                  G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, USE_PRIOR: tl.constexpr):
+    """Merges the splits into the five scalars per (row, head) that ``_fused_log_s`` reads."""
+    pid = tl.program_id(0)
+    offs_g = tl.arange(0, G_PAD)
+    offs_s = tl.arange(0, S_PAD)
+    smask = offs_s < nsp
+    lse = _merged_lse(M1, S1, pid, nsp, offs_g, offs_g < G, G_PAD, S_PAD)
+    total = tl.sum(tl.load(TOT + pid * nsp + offs_s, mask=smask, other=0.0), 0)
+    lse_r = float("-inf")
     lam = 0.0
     if USE_PRIOR:
-        num = 0.0
-        den = 0.0
-        for start in range(0, width, BLOCK):
-            j = start + offs
-            valid = j.to(tl.float32) < n
-            pooled = _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G)
-            f = tl.where(total > 0, pooled / tl.maximum(total, 1e-30), tl.where(valid, 1.0 / n, 0.0))
-            x = _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power)
-            r = tl.where(valid, tl.exp(x - lse_r), 0.0)
-            diff = f - r
-            num += tl.sum(f * diff, 0)
-            den += tl.sum(diff * diff, 0)
+        lse_r = _merged_lse_prior(MR, SR, pid, nsp, S_PAD)
+        num = tl.sum(tl.load(NUM + pid * nsp + offs_s, mask=smask, other=0.0), 0)
+        den = tl.sum(tl.load(DEN + pid * nsp + offs_s, mask=smask, other=0.0), 0)
         lam = tl.where(den > 0, num / tl.maximum(den, 1e-30), 0.0)
         lam = tl.minimum(tl.maximum(lam, 0.0), lam_max)
     tl.store(LSE + pid * G_PAD + offs_g, lse)
@@ -189,6 +293,12 @@ def _nms_exclusivity(LOGS, N, OUT, stride_sb, stride_sh, width, radius, nms_stre
              mask=hmask[:, None] & (j < width)[None, :])
 
 
+def stat_splits(programs: int, width: int, block: int) -> int:
+    """How many splits of the frame the statistics passes use: enough programs to fill the GPU
+    (``TARGET_PROGRAMS``), at most ``MAX_SPLITS``, and no split shorter than one ``block``."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(width, block)))
+
+
 def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: torch.Tensor,
                     num_query_rows: int = 1, block: int = 1024) -> torch.Tensor:
     """``logits (B, Hkv, G, F)`` (the score kernel's, ``-inf`` past each row's context) and
@@ -209,10 +319,26 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     out = torch.empty_like(log_s)
     lam_max = cfg.lambda_max_multi if num_query_rows > 1 else cfg.lambda_max_single
     prior = (cfg.alpha, cfg.w_norm, cfg.w_pos, cfg.gamma, cfg.beta, cfg.eta, cfg.pos_power)
-    _stats[(B * hkv,)](logits, norms, n, lse, stats,
-                       logits.stride(0), logits.stride(1), logits.stride(2), norms.stride(0), norms.stride(1),
-                       frame, lo, width, *prior, lam_max,
-                       HKV=hkv, G=g, G_PAD=g_pad, USE_PRIOR=cfg.use_prior, BLOCK=block)
+    P = B * hkv
+    nsp = stat_splits(P, width, block)
+    chunk_w = triton.cdiv(triton.cdiv(width, nsp), block) * block
+    chunk_f = triton.cdiv(triton.cdiv(frame, nsp), block) * block
+    s_pad = max(2, triton.next_power_of_2(nsp))
+    z = dict(dtype=torch.float32, device=dev)
+    m1, s1 = torch.empty(P, nsp, g_pad, **z), torch.empty(P, nsp, g_pad, **z)
+    mr, sr, tot, num, den = (torch.empty(P, nsp, **z) for _ in range(5))
+    strides = (logits.stride(0), logits.stride(1), logits.stride(2))
+    consts = dict(HKV=hkv, G=g, G_PAD=g_pad)
+    _stats_partials[(P, nsp)](logits, norms, n, m1, s1, mr, sr, *strides, norms.stride(0), norms.stride(1),
+                              frame, lo, width, chunk_f, chunk_w, *prior[1:],
+                              USE_PRIOR=cfg.use_prior, BLOCK=block, **consts)
+    _stats_total[(P, nsp)](logits, n, m1, s1, tot, *strides, lo, width, chunk_w, cfg.alpha,
+                           S_PAD=s_pad, BLOCK=block, **consts)
+    if cfg.use_prior:
+        _stats_lambda[(P, nsp)](logits, norms, n, m1, s1, mr, sr, tot, num, den, *strides, norms.stride(0),
+                                norms.stride(1), lo, width, chunk_w, *prior, S_PAD=s_pad, BLOCK=block, **consts)
+    _stats_finish[(P,)](m1, s1, mr, sr, tot, num, den, lse, stats, nsp, lam_max, G=g, G_PAD=g_pad, S_PAD=s_pad,
+                        USE_PRIOR=cfg.use_prior)
     tile = min(block, 256)
     _fused_log_s[(B * hkv, triton.cdiv(width, tile))](
         logits, norms, n, lse, stats, log_s,

@@ -258,9 +258,10 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
 
 
 def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=(6000, 3100, 900, 40),
-                          window=256, kmax=512, seed=5):
+                          window=256, kmax=512, seed=5, block=1024, variants=None):
     """The fused selector kernels against the batched torch Selector (steps 1-5 compared as scores,
-    step 6 as selections) for the default settings and each ablation's switches."""
+    step 6 as selections) for the default settings and each ablation's switches. ``block`` sets the
+    statistics passes' tile, and with it how many splits of the frame they use."""
     from sfi_vllm.config import SelectorConfig
     from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
     from sfi_vllm_kernels.selector_scores import selector_scores
@@ -282,13 +283,14 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
     k = torch.clamp(n.long() // 3, min=1, max=kmax)
     logits, norms, n, k = (t.to(device) for t in (logits, norms, n, k))
     worst = 0.0
-    variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
-                {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False}]
+    if variants is None:
+        variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
+                    {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False}]
     for over in variants:
         for rows in (1, 2):
             cfg = SelectorConfig(**over)
             ref = batched_scores_static(Selector(cfg), torch.softmax(logits, -1), norms, lo, n, rows)
-            got = selector_scores(cfg, logits, norms, lo, n, rows)
+            got = selector_scores(cfg, logits, norms, lo, n, rows, block=block)
             assert got.shape == ref.shape, (got.shape, ref.shape)
             fin = torch.isfinite(ref)
             assert torch.equal(fin, torch.isfinite(got)), (over, "-inf pattern")
@@ -475,6 +477,9 @@ def run_all(device: str) -> None:
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
+        # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
+        check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
+                              block=64, variants=[{}, {"use_prior": False, "use_nms": False}])
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):
@@ -494,6 +499,7 @@ def run_all(device: str) -> None:
         check_quest_layer(device, dtype, hq=9, hkv=3, d=64)
     check_selector_scores(device)
     check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
+    check_selector_scores(device, frame=131072, seq_lens=(131072, 70000), kmax=2048)  # 32 splits
     print("kernel checks passed (cuda)")
 
 

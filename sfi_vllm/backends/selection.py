@@ -32,12 +32,12 @@ from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
 # The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
-# Measured on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py, as
-# run by e2e_bench.py): fused vs torch 382 vs 557 us at 1 x 8K, 772 vs 954 at 16 x 16K, 989 vs 956
-# at 8 x 32K, but 1,987 vs 733 at 1 x 128K and 3,187 vs 2,090 at 6 x 128K: the fused statistics
-# kernel runs one program per (row, KV head) that streams the whole frame three times, which is
-# latency-bound on long frames with few rows. Splitting the frame across programs is the fix (not
-# done; it needs a GPU measurement first).
+# Measured on the H200 at commit 26dc4db (one slow step's selection work per layer,
+# benchmarks/attn_timing.py, as run by e2e_bench.py): fused vs torch 382 vs 557 us at 1 x 8K,
+# 772 vs 954 at 16 x 16K, 989 vs 956 at 8 x 32K, but 1,987 vs 733 at 1 x 128K and 3,187 vs
+# 2,090 at 6 x 128K, when the statistics kernel ran one program per (row, KV head) over the whole
+# frame. The statistics passes now split the frame (kernels/selector_scores.py); attn_timing.py
+# times both paths so that this bound follows the measurement.
 FUSED_MAX_FRAME = 32768
 
 
@@ -53,8 +53,9 @@ class _Entry:
 
 
 class SlowStepSelection:
-    def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME) -> None:
         self.max_graphs = max_graphs
+        self.fused_max_frame = fused_max_frame
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.captures = 0
 
@@ -88,7 +89,7 @@ class SlowStepSelection:
             entry.loaded = loaded
 
         def body() -> torch.Tensor:
-            if selector.cfg.smooth_kernel <= 1 and width <= FUSED_MAX_FRAME:  # fused kernels
+            if selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame:  # fused kernels
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
                 return top_k_positions(scores, lo, entry.budgets, kmax)
             probs = torch.softmax(entry.logits, dim=-1)  # evidence smoothing: the torch Selector
