@@ -64,21 +64,24 @@ def make_model(path: Path) -> None:
 
 
 SFI = {"preset": "balanced", "boundary_trigger": False, "reuse_budget": 20}
-# --slow-probe: a third engine with a slow step every other step; with the two SFI runs' measured
+# --slow-probe: the SFI engine also times each point with a slow step every other step (a
+# per-request override, so the probe shares the engine and its prefix cache); with the two runs'
 # step times and slow-step rates, the time of a slow and of a fast step follow (two equations).
-SFI_PROBE = {**SFI, "reuse_budget": 1, "min_gap": 0}
-MODES = {"dense": None, "sfi": SFI, "sfi_probe": SFI_PROBE}
+PROBE = {"reuse_budget": 1, "min_gap": 0}
+MODES = {"dense": None, "sfi": SFI}
 # Random token ids have no sentences, so slow steps come from the first decode step and a reuse
 # budget of 20 fast steps: one slow step every 21 steps (~4.8%), the rate the sentence trigger gave
 # on real generations of our test model (1 per ~18-24 steps, docs/sfi-method.md measurements).
 
 
-def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None) -> list[dict]:
+def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
+        probe: bool = False) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
-    pass fills the prefix cache, a short warm-up decode compiles what the first decode steps need
-    (Triton kernels, SFI's selection graph for this context), a cached one-token pass times the
-    residual, then the timed run. CUDA-graph capture sizes include every batch of the run, so
-    each batch replays a graph of its own size in both modes."""
+    pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
+    slow-step probe) a short warm-up decode compiles what the first decode steps need (Triton
+    kernels, SFI's selection graph for this context), a cached one-token pass times the residual,
+    then the timed run. CUDA-graph capture sizes include every batch of the run, so each batch
+    replays a graph of its own size in both modes."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -90,28 +93,35 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     if sfi is not None:
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
     llm = LLM(**kw)
+    variants = {mode: None} | ({f"{mode}_probe": PROBE} if probe else {})
     out = []
     for batch, context in points:
         g = torch.Generator().manual_seed(batch * 7 + context)
         prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()}
                    for _ in range(batch)]
-        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_fill = time.perf_counter() - t
-        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-        t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
-        before = _stats_totals() if sfi is not None else None
-        t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
-        decode_tok = batch * (new_tokens - 1)
-        res = dict(batch=batch, context=context, prefill_s=round(t_fill, 2), cached_first_token_s=round(t_pre, 3),
-                   generate_s=round(t_full, 3), decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
-        if sfi is not None:
-            after = _stats_totals()
-            slow, dec = after[0] - before[0], after[1] - before[1]
-            res.update(slow_step_rate=round(slow / max(dec, 1), 4),
-                       attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
-        out.append(res)
-        print("RESULT " + json.dumps(res), flush=True)
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+        t_fill = time.perf_counter() - t
+        for name, over in variants.items():
+            extra = {"extra_args": {"sfi": over}} if over else {}
+            one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, **extra)
+            full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **extra)
+            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, **extra),
+                         use_tqdm=False)
+            t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
+            before = _stats_totals() if sfi is not None else None
+            t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
+            decode_tok = batch * (new_tokens - 1)
+            res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
+                       cached_first_token_s=round(t_pre, 3), generate_s=round(t_full, 3),
+                       decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
+            if sfi is not None:
+                after = _stats_totals()
+                slow, dec = after[0] - before[0], after[1] - before[1]
+                res.update(slow_step_rate=round(slow / max(dec, 1), 4),
+                           attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
+            out.append(res)
+            print("RESULT " + json.dumps(res), flush=True)
     return out
 
 
@@ -187,24 +197,25 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--mode", choices=sorted(MODES), default=None, help="(internal) one engine")
     ap.add_argument("--slow-probe", action="store_true",
-                    help="also run SFI with a slow step every other step and derive the slow- and "
-                    "fast-step times (slow_step_ms, slow_vs_dense, fast_speedup)")
+                    help="the SFI engine also runs each point with a slow step every other step; "
+                    "from both runs the slow- and fast-step times follow (slow_step_ms, "
+                    "slow_vs_dense, fast_speedup)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--sfi", default=None,
-                    help="JSON overrides of the SFI settings of the sfi and sfi_probe engines "
+                    help="JSON overrides of the SFI engine's settings "
                     "(e.g. '{\"side_stream\": false}' for an A/B run)")
     ap.add_argument("--modes", default=None,
-                    help="comma-separated engines to run (default: dense,sfi and sfi_probe with "
-                    "--slow-probe); the ratios need dense and sfi in the same run")
+                    help="comma-separated engines to run (default: dense,sfi); the ratios need "
+                    "dense and sfi in the same run")
     args = ap.parse_args()
     model = Path("/tmp/sfi-qwen3-4b-shape")
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     if args.sfi:
         extra = json.loads(args.sfi)
         MODES["sfi"] = {**SFI, **extra}
-        MODES["sfi_probe"] = {**SFI_PROBE, **extra}
     if args.mode:
-        run(str(model), points, args.new_tokens, MODES[args.mode])
+        run(str(model), points, args.new_tokens, MODES[args.mode], args.mode,
+            probe=args.slow_probe and MODES[args.mode] is not None)
         return 0
     import subprocess
     import sys
@@ -217,20 +228,22 @@ def main() -> int:
             row["sfi_overrides"] = json.loads(args.sfi)
     for p in points:
         print(json.dumps(rows[p]), flush=True)
-    modes = args.modes.split(",") if args.modes else ["dense", "sfi"] + (["sfi_probe"] if args.slow_probe else [])
+    modes = args.modes.split(",") if args.modes else ["dense", "sfi"]
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         cmd = [sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
-               "--new-tokens", str(args.new_tokens)] + (["--sfi", args.sfi] if args.sfi else [])
+               "--new-tokens", str(args.new_tokens)] + (["--sfi", args.sfi] if args.sfi else []) + (
+                   ["--slow-probe"] if args.slow_probe else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         for r in results:
             row = rows[(r["batch"], r["context"])]
-            row[f"{mode}_tok_s"] = r["decode_tok_s"]
-            row.update({f"{mode}_{k}": v for k, v in r.items() if k not in ("decode_tok_s", "batch", "context")})
-        if len(results) < len(points):
+            name = r["mode"]
+            row[f"{name}_tok_s"] = r["decode_tok_s"]
+            row.update({f"{name}_{k}": v for k, v in r.items() if k not in ("decode_tok_s", "batch", "context", "mode")})
+        if len({(r["batch"], r["context"]) for r in results}) < len(points):
             err = (proc.stdout + proc.stderr)[-3000:]
             print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
             for p in points:
