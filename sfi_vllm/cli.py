@@ -67,7 +67,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
              kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs(args.engine_kwargs),
              suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
              stream_out=args.stream, ablations=args.ablations.split(",") if args.ablations else (),
-             ablation_samples=args.ablation_samples, progress=not args.no_progress)
+             ablation_samples=args.ablation_samples, progress=not args.no_progress, flow=args.flow,
+             max_open=args.max_open, first_sample=args.first_sample)
     if args.report:
         write_report(args.out, args.report, args.title, "sfi-vllm " + " ".join(sys.argv[1:]), raw=args.raw)
     return 0
@@ -125,6 +126,15 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         Path(args.report).write_text(table)
         print(f"wrote {args.report}")
     print(table)
+    return 0
+
+
+def _cmd_rescore(args: argparse.Namespace) -> int:
+    from sfi_vllm.quality.runner import rescore
+
+    rows = rescore(args.raw.split(","), args.out, args.merged_raw)
+    also = f" and the merged records to {args.merged_raw}" if args.merged_raw else ""
+    print(f"wrote {len(rows)} rows to {args.out}{also}")
     return 0
 
 
@@ -199,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ablations", default=None,
                     help="policies (comma-separated) run only on samples of index < --ablation-samples")
     ev.add_argument("--ablation-samples", type=int, default=None)
+    ev.add_argument("--flow", action="store_true",
+                    help="no phases: each sample's other requests start when its dense request ends, at most "
+                         "--max-open samples open; --time-limit opens no sample projected to end past it and "
+                         "aborts what runs at it (--chunk-samples is ignored)")
+    ev.add_argument("--max-open", type=int, default=None, help="with --flow (default: --max-num-seqs / 2)")
+    ev.add_argument("--first-sample", type=int, default=0,
+                    help="skip samples of lower index (extend an earlier run; merge with `sfi-vllm rescore`)")
     ev.set_defaults(func=_cmd_eval)
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
@@ -230,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--from-raw", default=None, metavar="RAW",
                      help="no engine: summarize a --raw file of an earlier run into --out (and --report)")
     fid.set_defaults(func=_cmd_fidelity)
+
+    rs = sub.add_parser("rescore", help="eval's rows from one or more --raw files (e.g. runs over disjoint samples)")
+    rs.add_argument("raw", help="eval --raw files, comma-separated")
+    rs.add_argument("--out", required=True, help="rows as eval --out writes them")
+    rs.add_argument("--merged-raw", default=None, help="also write the merged per-request records here")
+    rs.set_defaults(func=_cmd_rescore)
 
     rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")
     rep.add_argument("jsonl")

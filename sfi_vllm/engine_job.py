@@ -80,6 +80,14 @@ class EngineJob:
     phase_group: int = 1
     time_limit_s: float | None = None
     stream_out: str | None = None
+    # Flow instead of phases (``requests`` only; sfi_vllm.request_flow): a request with "after": j
+    # is handed to the engine once request j has finished, with j's prompt tokens as its prompt
+    # (it needs no "prompt" of its own: the chat template and the tokenizer run once per root); at
+    # most ``max_open`` groups (a request without "after" and those waiting for it) are open at a
+    # time. ``time_limit_s``: no group is opened that is projected to end past the limit, and what
+    # still runs at the limit is aborted (no output). ``stream_out``: each finished request is
+    # appended as it finishes.
+    max_open: int | None = None
 
 
 def _run(job: EngineJob) -> dict[str, Any]:
@@ -98,7 +106,11 @@ def _run(job: EngineJob) -> dict[str, Any]:
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
     skipped = 0
-    if job.requests is not None:
+    flow_stats: dict[str, Any] = {}
+    flow_info: dict[str, Any] = {}
+    if job.requests is not None and job.max_open:
+        outs, skipped = _run_flow(llm, job, flow_stats, flow_info)
+    elif job.requests is not None:
         outs = [None] * len(job.requests)
         phases = sorted({r.get("phase", 0) for r in job.requests})
         group = max(1, int(job.phase_group))
@@ -145,6 +157,7 @@ def _run(job: EngineJob) -> dict[str, Any]:
     if ctl is not None and job.attention_backend:
         for req_id, st in ctl.stats.snapshot().items():
             stats[external_request_id(req_id)] = st.to_dict()
+        stats.update(flow_stats)  # read as each request finished (the registry keeps only the latest)
         boundary = sorted(ctl.boundary.enders) if ctl.boundary else []
         skips = sorted(ctl.boundary.skips) if ctl.boundary else []
         config = ctl.cfg.model_dump()
@@ -158,7 +171,7 @@ def _run(job: EngineJob) -> dict[str, Any]:
     for name in job.collect:
         mod, fn = name.split(":")
         collected[name] = getattr(importlib.import_module(mod), fn)()
-    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen, skipped=skipped,
+    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen, skipped=skipped, flow=flow_info,
                 vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
                 boundary_skips=skips, collected=collected)
 
@@ -166,10 +179,157 @@ def _run(job: EngineJob) -> dict[str, Any]:
 def _output_record(o: Any) -> dict[str, Any]:
     c = o.outputs[0]
     rec = dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
+               cached_tokens=getattr(o, "num_cached_tokens", None),
                text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason)
     if c.logprobs is not None:
         rec["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
     return rec
+
+
+def _run_flow(llm: Any, job: EngineJob, flow_stats: dict[str, Any], flow_info: dict[str, Any]) -> tuple[list, int]:
+    """Run ``job.requests`` as a :class:`sfi_vllm.request_flow.RequestFlow`: outputs in request order
+    (None: not run or aborted) and how many requests did not run. ``flow_stats`` receives each
+    finished request's SFI statistics, keyed by its (external) request id; ``flow_info`` facts
+    about the run."""
+    from vllm import SamplingParams
+
+    from sfi_vllm.controller import current_controller, external_request_id
+    from sfi_vllm.request_flow import RequestFlow
+
+    reqs = job.requests or []
+    flow = RequestFlow([r.get("after") for r in reqs], job.max_open, job.time_limit_s)
+    chat = ChatTokens(llm, [(i, reqs[i]["prompt"]) for i in flow.roots])
+    flow_info["roots_pretokenized"] = chat.ok
+    ctl = current_controller() if job.attention_backend else None
+    engine = llm.llm_engine
+    outs: list[Any] = [None] * len(reqs)
+    index: dict[str, int] = {}  # external request id -> request
+    internal: dict[int, str] = {}
+    last_report, generated = 0.0, 0
+
+    def params(part: list[int]) -> list:
+        return [_request_params(SamplingParams, reqs[i], job.max_tokens, outs) for i in part]
+
+    def hand_over(part: list[int], rids: list[str]) -> None:
+        index.update((external_request_id(rid), i) for i, rid in zip(part, rids))
+        internal.update(zip(part, rids))
+
+    while not flow.done():
+        new = flow.next_requests()
+        roots = [i for i in new if reqs[i].get("after") is None]
+        followers = [i for i in new if reqs[i].get("after") is not None]
+        # roots: chat-rendered and tokenized once (ahead, in ChatTokens' thread, or by vLLM);
+        # followers: their root's prompt tokens, no second rendering
+        toks = {i: chat.get(i) for i in roots}
+        toks.update((i, list(outs[reqs[i]["after"]].prompt_token_ids)) for i in followers)
+        by_ids = [i for i in new if toks[i] is not None]
+        by_chat = [i for i in new if toks[i] is None]
+        if by_ids:
+            hand_over(by_ids, llm.enqueue([{"prompt_token_ids": toks[i]} for i in by_ids], params(by_ids),
+                                          use_tqdm=False))
+        if by_chat:
+            hand_over(by_chat, llm.enqueue_chat([[{"role": "user", "content": reqs[i]["prompt"]}] for i in by_chat],
+                                                params(by_chat), use_tqdm=False))
+        if flow.overdue():
+            running = sorted(flow.handed)
+            engine.abort_request([internal[i] for i in running], internal=True)
+            print(f"sfi-vllm engine job: time limit {job.time_limit_s:.0f} s reached: aborted {len(running)} "
+                  f"running requests", flush=True)
+            break
+        if not engine.has_unfinished_requests() and not new:
+            break  # nothing runs and nothing was handed over: nothing can change any more
+        done_now = []
+        for o in engine.step():
+            if not o.finished:
+                continue
+            i = index[o.request_id]
+            outs[i] = o
+            flow.finished(i)
+            done_now.append(i)
+            generated += len(o.outputs[0].token_ids)
+            st = ctl.stats.lookup(internal[i]) if ctl is not None else None
+            if st is not None:
+                flow_stats[o.request_id] = st.to_dict()
+        if job.stream_out and done_now:
+            _stream_requests(job.stream_out, done_now, outs, flow_stats)
+        if flow.elapsed() - last_report >= 30:
+            last_report = flow.elapsed()
+            _flow_progress(flow, len(reqs), generated)
+    if flow.stop_reason:
+        print(f"sfi-vllm engine job: {flow.stop_reason}", flush=True)
+    _flow_progress(flow, len(reqs), generated)
+    return outs, flow.not_run()
+
+
+class ChatTokens:
+    """Prompt token ids of one-turn chat prompts as vLLM's ``LLM.chat`` makes them (chat template,
+    then the tokenizer), made ahead in a background thread in the order given: tokenizing a
+    4-8K-token prompt takes tens of milliseconds of host time that would otherwise stall the engine
+    loop (the fast tokenizer releases the GIL and batches over cores). ``ok`` is False, and
+    :meth:`get` returns None (let vLLM render the prompt), unless the first prompt's ids equal
+    vLLM's own rendering of it."""
+
+    CHUNK = 32
+
+    def __init__(self, llm: Any, items: list[tuple[int, str]]) -> None:
+        import threading
+
+        self.tokenizer = llm.get_tokenizer()
+        self.ids: dict[int, list[int]] = {}
+        self.cond = threading.Condition()
+        self.failed = False
+        self.ok = bool(items) and self._matches_vllm(llm, items[0][1])
+        if self.ok:
+            threading.Thread(target=self._work, args=(items,), daemon=True).start()
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=False) for p in prompts]
+        return [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _matches_vllm(self, llm: Any, prompt: str) -> bool:
+        try:
+            ref = llm._preprocess_chat_one([{"role": "user", "content": prompt}])["prompt_token_ids"]
+            return list(ref) == self._encode([prompt])[0]
+        except Exception as e:  # an internal API of vLLM 0.26/0.27: fall back to vLLM's rendering
+            print(f"sfi-vllm engine job: prompts rendered by vLLM ({type(e).__name__}: {e})", flush=True)
+            return False
+
+    def _work(self, items: list[tuple[int, str]]) -> None:
+        try:
+            for k in range(0, len(items), self.CHUNK):
+                part = items[k:k + self.CHUNK]
+                ids = self._encode([p for _, p in part])
+                with self.cond:
+                    self.ids.update(zip((i for i, _ in part), ids))
+                    self.cond.notify_all()
+        except Exception as e:
+            print(f"sfi-vllm engine job: tokenizing ahead failed ({type(e).__name__}: {e})", flush=True)
+            with self.cond:
+                self.failed = True
+                self.cond.notify_all()
+
+    def get(self, i: int) -> list[int] | None:
+        if not self.ok:
+            return None
+        with self.cond:
+            self.cond.wait_for(lambda: i in self.ids or self.failed)
+            return self.ids.pop(i, None)
+
+
+def _flow_progress(flow: Any, total: int, generated: int) -> None:
+    t = max(flow.elapsed(), 1e-9)
+    print(f"sfi-vllm engine job: {t:.0f} s: {flow.finished_count} of {total} requests done "
+          f"({flow.finished_count / t:.1f}/s, {generated / t:.0f} generated tokens/s), {len(flow.left)} groups open",
+          flush=True)
+
+
+def _stream_requests(path: str, idx: list[int], outs: list, stats: dict[str, Any]) -> None:
+    """Append finished requests' outputs (and their SFI statistics) to ``path``."""
+    with open(path, "a") as f:
+        for i in idx:
+            rec = _output_record(outs[i])
+            f.write(json.dumps({"index": i, **rec, "sfi_stats": stats.get(rec["request_id"], {})}) + "\n")
 
 
 def _stream_phase(path: str, idx: list[int], outs: list, attention_backend: str | None) -> None:

@@ -126,6 +126,11 @@ class StatsRegistry:
             with open(self.stats_file, "a") as f:
                 f.write(json.dumps(st.to_dict()) + "\n")
 
+    def lookup(self, req_id: str) -> RequestStats | None:
+        """One request's statistics, running or finished (None: not seen, or no longer kept)."""
+        with self._lock:
+            return self.active.get(req_id) or self.finished.get(req_id)
+
     def snapshot(self) -> dict[str, RequestStats]:
         with self._lock:
             return {**self.finished, **self.active}

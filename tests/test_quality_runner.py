@@ -11,8 +11,10 @@ import pytest
 from sfi_vllm import cli
 from sfi_vllm.engine_job import load_stream
 from sfi_vllm.quality import report
-from sfi_vllm.quality.runner import (aggregate, build_requests, check_model_dir, chunk_order, load_suite,
-                                     per_request, resolve_dtype, save_suite)
+from sfi_vllm.quality.runner import (aggregate, build_flow_requests, build_requests, check_model_dir, chunk_order,
+                                     load_suite, per_request, prefix_cache_summary, rescore, resolve_dtype,
+                                     save_suite)
+from sfi_vllm.request_flow import RequestFlow
 from sfi_vllm.quality.tasks import Sample
 
 TASKS = ("passkey", "common_words")
@@ -65,6 +67,41 @@ def test_chunks_cover_every_task_and_put_dense_first():
     assert {r["phase"] for r in reqs} == {0, 1}
 
 
+def test_flow_requests_wait_for_their_samples_dense_request():
+    s = samples(3)
+    order = chunk_order(s, TASKS, (2048,))
+    reqs, keys = build_flow_requests(s, ["dense", "sfi", "streaming"], [0.1, 0.2], order,
+                                     ablations=["sfi-no-nms"], ablation_samples=1)
+    assert len(reqs) == len(keys)
+    roots = [i for i, r in enumerate(reqs) if "after" not in r]
+    assert [keys[i][1] for i in roots] == ["dense"] * len(s)
+    assert [keys[i][0] for i in roots] == order  # samples open in chunk order
+    for i, (r, (si, pol, ret)) in enumerate(zip(reqs, keys)):
+        if pol == "dense":
+            assert r["sfi"] == {"policy": "dense"} and "phase" not in r and r["prompt"] == s[si].prompt
+        else:
+            assert keys[r["after"]] == (si, "dense", None) and r["after"] < i and "prompt" not in r
+            assert r["sfi"]["policy"] == ("sfi" if pol.startswith("sfi") else pol)
+    for si, smp in enumerate(s):
+        assert sum(1 for k in keys if k[0] == si) == 5 + (2 if smp.index == 0 else 0)
+    # the flow opens them in that order, a sample's followers once its dense request is done
+    flow = RequestFlow([r.get("after") for r in reqs], max_open=2)
+    first = flow.next_requests()
+    assert [keys[i] for i in first] == [(order[0], "dense", None), (order[1], "dense", None)]
+    flow.finished(first[0])
+    assert {keys[i][0] for i in flow.next_requests()} == {order[0]}
+
+
+def test_prefix_cache_summary():
+    keys = [(0, "dense", None), (0, "sfi", 0.1), (0, "quest", 0.1), (1, "dense", None), (1, "sfi", 0.1)]
+    outs = [dict(prompt_tokens=100, cached_tokens=0), dict(prompt_tokens=100, cached_tokens=96),
+            dict(prompt_tokens=100, cached_tokens=0), dict(prompt_tokens=50, cached_tokens=0), None]
+    assert prefix_cache_summary(keys, dict(outputs=outs)) == (
+        "prefix cache: 2 non-dense requests, 48.0% of their prompt tokens cached (vLLM caches whole KV blocks "
+        "only), 52.0 tokens each left to prefill on average")
+    assert prefix_cache_summary(keys, dict(outputs=[dict(prompt_tokens=1)] * 5)) is None
+
+
 def _fake_result(s, keys, run, answer_ok):
     outs, stats = [], {}
     for i, (si, pol, r) in enumerate(keys):
@@ -94,6 +131,22 @@ def test_partial_runs_score_only_complete_samples():
     assert sfi_pk["agree_tokens"] == 2 and sfi_pk["measured_retention"] == 0.2 and sfi_pk["slow_step_rate"] == round(1 / 3, 4)
     dense = next(r for r in rows if r["policy"] == "dense" and r["task"] == "passkey")
     assert dense["score"] == 100.0 and dense["retention"] == 1.0
+
+
+def test_rescore_merges_runs_over_disjoint_samples(tmp_path):
+    s = samples(4)
+    order = chunk_order(s, TASKS, (2048,))
+    _, keys = build_requests(s, ["dense", "sfi"], [0.1], order)
+    res = _fake_result(s, keys, set(order), lambda pol, si: pol == "dense" or s[si].index % 2 == 0)
+    per, _ = per_request(s, keys, res)
+    paths = []
+    for name, part in (("a", [p for p in per if p["index"] < 2]), ("b", [p for p in per if p["index"] >= 1])):
+        paths.append(tmp_path / f"{name}.jsonl")  # index 1 is in both
+        paths[-1].write_text("".join(json.dumps(p) + "\n" for p in part))
+    rows = rescore([str(p) for p in paths], str(tmp_path / "rows.jsonl"), str(tmp_path / "merged.jsonl"))
+    assert rows == aggregate(per)
+    assert [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()] == rows
+    assert len((tmp_path / "merged.jsonl").read_text().splitlines()) == len(per)
 
 
 def test_load_stream_salvages_finished_lines(tmp_path):

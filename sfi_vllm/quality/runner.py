@@ -13,6 +13,15 @@ scored on the same samples). Every finished phase is appended to a stream file, 
 killed or crashes is still scored on its finished chunks. ``ablations`` with ``ablation_samples``
 M run those policies on samples of index < M only (fewer samples for secondary policies).
 
+Flow (``flow``, :mod:`sfi_vllm.request_flow`): instead of phases, every sample's other requests
+wait for its dense request only (and take its prompt tokens: each prompt is rendered and tokenized
+once), and at most ``max_open`` samples are open at a time, so the batch stays full (no phase ends
+with a few long requests running alone) and prompts stay cached. With
+``time_limit_s`` no sample is opened that is projected to end past the limit, and requests still
+running at the limit are aborted; only samples whose every request finished are scored. Samples
+open in chunk order, so a cut-off run covers every task and context equally (to within one
+sample each). ``first_sample`` skips samples of lower index (a second run that extends a first).
+
 Writes JSON lines, one object per policy x task x context x retention:
 ``policy, task, context, retention, score, n`` plus ``ci95`` (half-width, normal approximation),
 ``measured_retention`` (tokens attended per fast step / context, from the worker's statistics),
@@ -128,6 +137,42 @@ def build_requests(samples, policies, retentions, order: list[int], chunk_sample
     return requests, keys
 
 
+def build_flow_requests(samples, policies, retentions, order: list[int], ablations=(),
+                        ablation_samples: int | None = None):
+    """As :func:`build_requests`, for a flow (``EngineJob.max_open``): per sample of ``order``, its
+    dense request, then every other policy's request on it, each waiting for the dense one
+    (``"after"``), so its prompt is in the prefix cache when it starts (and taking the dense
+    request's prompt tokens, so only the dense request carries the prompt text)."""
+    policies = list(dict.fromkeys(list(policies) + [p for p in ablations if p not in policies]))
+    requests, keys = [], []
+    for si in order:
+        smp = samples[si]
+        root = len(requests)
+        requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens, sfi={"policy": "dense"}))
+        keys.append((si, "dense", None))
+        for pol in policies:
+            if pol == "dense" or (pol in ablations and ablation_samples is not None and smp.index >= ablation_samples):
+                continue
+            for r in retentions:
+                requests.append(dict(max_tokens=smp.max_new_tokens, sfi=policy_overrides(pol, r, smp.context_tokens),
+                                     after=root))
+                keys.append((si, pol, r))
+    return requests, keys
+
+
+def prefix_cache_summary(keys, res) -> str | None:
+    """How much of the non-dense requests' prompts came from the prefix cache (vLLM's
+    ``num_cached_tokens``); None if the outputs do not say."""
+    got = [(o["cached_tokens"], o["prompt_tokens"]) for (_, pol, _), o in zip(keys, res["outputs"])
+           if pol != "dense" and o is not None and o.get("cached_tokens") is not None]
+    if not got:
+        return None
+    cached, prompt = sum(c for c, _ in got), sum(p for _, p in got)
+    return (f"prefix cache: {len(got)} non-dense requests, {100 * cached / max(prompt, 1):.1f}% of their prompt "
+            f"tokens cached (vLLM caches whole KV blocks only), {(prompt - cached) / len(got):.1f} tokens each "
+            f"left to prefill on average")
+
+
 def per_request(samples, keys, res) -> tuple[list[dict], int]:
     """Per-request records for the samples whose every request has an output; and how many
     samples were dropped for missing outputs."""
@@ -148,6 +193,7 @@ def per_request(samples, keys, res) -> tuple[list[dict], int]:
                         index=smp.index, score=score(smp, o["text"]), output=o["text"],
                         answers=list(smp.answers), agree_tokens=common_prefix_len(dense_tokens[si], o["token_ids"]),
                         out_tokens=len(o["token_ids"]), prompt_tokens=o.get("prompt_tokens"),
+                        cached_tokens=o.get("cached_tokens"),
                         attended_fraction=st.get("attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
                         decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
@@ -174,13 +220,45 @@ def aggregate(per: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
+def rescore(raw_files, out: str, merged_raw: str | None = None) -> list[dict[str, Any]]:
+    """Rows (as ``eval --out``) from the per-request records of one or more ``eval --raw`` files.
+    A request (policy, retention, task, context, sample index) found in more than one file counts
+    once, as first found (a warning says how many such requests scored differently)."""
+    seen: dict[tuple, dict] = {}
+    differ = 0
+    for path in raw_files:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                p = json.loads(line)
+                key = (p["policy"], p["retention"], p["task"], p["context"], p["index"])
+                if key in seen:
+                    differ += seen[key]["score"] != p["score"]
+                    continue
+                seen[key] = p
+    if differ:
+        print(f"rescore: {differ} requests found twice with different scores; the first file's kept", flush=True)
+    per = list(seen.values())
+    if merged_raw:
+        with open(merged_raw, "w") as f:
+            for p in per:
+                f.write(json.dumps(p) + "\n")
+    rows = aggregate(per)
+    with open(out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return rows
+
+
 def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
              out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
              max_num_seqs: int = 8, engine_kwargs: dict | None = None, model: str | None = None,
              dtype: str | None = None, gpu_memory_utilization: float | None = None,
              suite: str | None = None, chunk_samples: int | None = None,
              time_limit_s: float | None = None, stream_out: str | None = None,
-             ablations=(), ablation_samples: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+             ablations=(), ablation_samples: int | None = None, progress: bool = True,
+             flow: bool = False, max_open: int | None = None, first_sample: int = 0) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from sfi_vllm.engine_job import EngineJob, cpu_engine_env, load_stream, run_engine_job
@@ -206,12 +284,20 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         tok = AutoTokenizer.from_pretrained(model)
         samples = make_suite(tok, tasks=tasks, contexts=tuple(contexts), n=n, seed=seed)
         src = "generated"
+    samples = [x for x in samples if x.index >= first_sample]
     print(f"suite: {len(samples)} samples ({len(tasks)} tasks x {len(contexts)} contexts x <= {n}), {src}, "
           f"in {time.time() - t0:.1f} s", flush=True)
     order = chunk_order(samples, tasks, contexts)
-    requests, keys = build_requests(samples, policies, retentions, order, chunk_samples, ablations, ablation_samples)
-    print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills, "
-          f"chunks of {chunk_samples or len(samples)} samples, dtype {dtype})", flush=True)
+    if flow:
+        max_open = max_open or max(1, max_num_seqs // 2)
+        requests, keys = build_flow_requests(samples, policies, retentions, order, ablations, ablation_samples)
+        how = f"as a flow, at most {max_open} samples open"
+    else:
+        requests, keys = build_requests(samples, policies, retentions, order, chunk_samples, ablations,
+                                        ablation_samples)
+        how = f"chunks of {chunk_samples or len(samples)} samples"
+    print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills, {how}, dtype {dtype})",
+          flush=True)
     eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
                max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype)
     if gpu_memory_utilization is not None:
@@ -226,7 +312,8 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             Path(stream).unlink()
         t0 = time.time()
         job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi={}, engine_kwargs=eng,
-                        progress=progress, phase_group=2, time_limit_s=time_limit_s, stream_out=stream)
+                        progress=progress, phase_group=2, time_limit_s=time_limit_s, stream_out=stream,
+                        max_open=max_open if flow else None)
         try:
             res = run_engine_job(job, env=env, quiet=False)
             print(f"engine finished in {time.time() - t0:.0f} s (load {res['load_s']:.0f} s, "
@@ -236,6 +323,9 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             res = load_stream(stream, len(requests))
             print(f"ENGINE FAILED after {time.time() - t0:.0f} s: {e}\nscoring the {len(requests) - res['skipped']} "
                   f"requests it finished", flush=True)
+    cache = prefix_cache_summary(keys, res)
+    if cache:
+        print(cache, flush=True)
     per, dropped = per_request(samples, keys, res)
     if dropped:
         print(f"{dropped} of {len(samples)} samples not (fully) run: left out of the scores", flush=True)

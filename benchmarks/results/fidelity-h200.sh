@@ -1,0 +1,33 @@
+#!/bin/bash
+# Teacher-forced fidelity on the H200 (issue 4; `sfi-vllm fidelity`, as fidelity-cpu.md but 2K/4K/8K,
+# more documents and longer continuations), in one device call of about 3 minutes.
+# On the device machine, from the repository root, after ../shared/gpu/README.md's install, with
+# .gpu-data carried (.gpu-data/cache/texts holds the essay corpus; the device has no network):
+#   OUT=$OUT bash benchmarks/results/fidelity-h200.sh [DOCS [TOKENS]]
+# DOCS documents per context (default 12), TOKENS teacher-forced decode steps each (default 256).
+# One engine, three phases of TOKENS + 1 steps each (dense free-running; dense teacher-forced: the
+# reference; every policy teacher-forced and free-running): 3 x DOCS x 21 requests in the last
+# phase, in ceil(63 DOCS / 512) waves. Writes to $OUT: fidelity-h200.jsonl, fidelity-h200-raw.jsonl.xz,
+# fidelity-h200.md, fidelity.log.
+set -uo pipefail
+. /tmp/sfi-env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 SFI_VLLM_CACHE=$PWD/.gpu-data/cache
+OUT=${OUT:-/tmp/f-out}; mkdir -p "$OUT"
+DOCS=${1:-12}; T=${2:-256}
+M=/tmp/sfi-smol
+t_start=$(date +%s)
+if [ ! -f $M/config.json ]; then
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('$M'))" \
+    > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -30 "$OUT/convert.log"; exit 1; }
+  echo "converted in $(( $(date +%s) - t_start )) s"
+fi
+python3 -m sfi_vllm.cli fidelity --model $M --contexts 2048,4096,8192 --docs "$DOCS" --tokens "$T" \
+  --policies dense,sfi,streaming,snapkv,quest,sfi-no-nms --retentions 0.1,0.2 \
+  --max-num-seqs 512 --gpu-memory-utilization 0.85 \
+  --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \
+  > "$OUT/fidelity.log" 2>&1
+rc=$?
+echo "fidelity exit $rc after $(( $(date +%s) - t_start )) s"
+grep -v "^INFO\|^WARNING\|Loading safetensors" "$OUT/fidelity.log" | tail -60
+[ -f /tmp/fidelity-h200-raw.jsonl ] && xz -T0 -c /tmp/fidelity-h200-raw.jsonl > "$OUT/fidelity-h200-raw.jsonl.xz"
+echo "done after $(( $(date +%s) - t_start )) s"

@@ -1,0 +1,59 @@
+#!/bin/bash
+# The H200 quality sweep of issue 4 at the +-2-point sample size, in one device call of at most
+# ~570 s: the flow runner (`eval --flow`: each sample's policy requests start as soon as its dense
+# request ends and reuse its prefix-cached prompt; at most --max-open samples open), headline
+# policies on every sample, the five SFI ablations on the first ABLATION_SAMPLES samples per task
+# and context, 2K/4K/8K, 10% and 20% retention. Samples open in index order (every task and context
+# alike), so a run cut by the time limit is balanced; what still runs at the limit is aborted and
+# only complete samples are scored.
+#
+# On the device machine, from the repository root, after ../shared/gpu/README.md's install
+# (vLLM 0.26.0 in /tmp/site, /tmp/sfi-env.sh), with .gpu-data carried (the suite files, made on the
+# development machine: sfi-vllm suite --contexts C --samples 300 --out .gpu-data/suite/suite-C.jsonl.xz):
+#   OUT=$OUT bash benchmarks/results/quality-h200-sweep.sh [TIME_LIMIT_S [ABLATION_SAMPLES [FIRST_SAMPLE]]]
+# TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
+# about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
+# first be converted from the GGUF). FIRST_SAMPLE > 0 extends an earlier run with the samples from
+# that index on; merge with `sfi-vllm rescore RAW1,RAW2 --out rows.jsonl --merged-raw raw.jsonl`.
+# Writes to $OUT: quality-h200[-fromF].jsonl (rows), -raw.jsonl.xz (every request), .md (tables),
+# eval.log; stream.jsonl.xz if the eval failed. The plot: `sfi-vllm report` on the development machine.
+set -uo pipefail
+. /tmp/sfi-env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/q-out}; mkdir -p "$OUT"
+LIMIT=${1:-440}; ABL=${2:-30}; FIRST=${3:-0}
+TAG=quality-h200; [ "$FIRST" = 0 ] || TAG=quality-h200-from$FIRST
+M=/tmp/sfi-smol
+t_start=$(date +%s)
+python3 -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__, '| gpu', torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+git log -1 --format='sfi-vllm commit %h %s' 2>/dev/null
+if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (../shared/gpu/README.md)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('$M'))" \
+    > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -30 "$OUT/convert.log"; exit 1; }
+  echo "converted in $(( $(date +%s) - t_start )) s"
+fi
+S=.gpu-data/suite
+python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
+  --contexts 2048,4096,8192 --samples 300 --first-sample "$FIRST" --no-progress \
+  --policies dense,streaming,snapkv,quest,sfi --retentions 0.1,0.2 \
+  --ablations sfi-no-prior,sfi-no-nms,sfi-no-exclusivity,sfi-interval,sfi-boundary --ablation-samples "$ABL" \
+  --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
+  --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" 2>&1 | tee "$OUT/eval.log"
+rc=${PIPESTATUS[0]}
+echo "eval exit $rc after $(( $(date +%s) - t_start )) s"
+if [ "$rc" = 0 ]; then
+  python3 - "$OUT/$TAG" "/tmp/$TAG-raw.jsonl" <<'EOF'
+import sys
+from pathlib import Path
+from sfi_vllm.quality.report import load, markdown
+prefix, raw = sys.argv[1], sys.argv[2]
+md = markdown(load(prefix + ".jsonl"), "Quality suite on the H200", raw=load(raw))
+Path(prefix + ".md").write_text(md)
+print(md.split("Over all contexts")[0])  # suite means and paired differences
+EOF
+  xz -T0 -c "/tmp/$TAG-raw.jsonl" > "$OUT/$TAG-raw.jsonl.xz"
+else
+  [ -f /tmp/q-stream.jsonl ] && xz -T0 -c /tmp/q-stream.jsonl > "$OUT/stream.jsonl.xz"
+fi
+echo "done after $(( $(date +%s) - t_start )) s"
