@@ -154,7 +154,8 @@ def attention_times(batch: int, context: int) -> dict:
     # slow_select_us is the one the engine takes at this context
     fused = slow_select_us(kv, q, bt, context, cfg, fused_max_frame=1 << 30)
     torch_path = slow_select_us(kv, q, bt, context, cfg, fused_max_frame=0)
-    engine_fused = SlowStepSelection.frame_width(context) <= FUSED_MAX_FRAME
+    # decode contexts are context + 1 ... context + new tokens: the frame is rounded up from there
+    engine_fused = SlowStepSelection.frame_width(context + 1) <= FUSED_MAX_FRAME
     select = fused if engine_fused else torch_path
     del kv, kc, vc
     torch.cuda.empty_cache()
