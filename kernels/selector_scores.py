@@ -37,9 +37,16 @@ MAX_SPLITS = 64
 @triton.jit
 def _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power):
     """Unnormalised ``log r`` of candidates ``j`` (``-inf`` where not valid)."""
-    u = j.to(tl.float32) / tl.maximum(n - 1.0, 1.0)
+    jf = j.to(tl.float32)
+    u = jf / tl.maximum(n - 1.0, 1.0)
     u_pow = tl.where(u > 0, tl.exp(pos_power * tl.log(tl.maximum(u, 1e-30))), 0.0)
-    pos = -beta * u_pow + eta * tl.log(tl.maximum(1.0 - u, 1e-30))
+    # 1 - u from the exact integer numerator, never as 1 - j / (n - 1): the GPU's division is
+    # approximate, and as a reciprocal-multiply (n - 1) / (n - 1) is 1 - 2**-24 for n = 32508 and
+    # 130812, which turns the last candidate's log(1 - u) from log(1e-30) = -69 into -16.6. Those
+    # are the two frames (32K, 128K) at which the H200 run of 53a24c5 found the fused scores up to
+    # 4.1 away from the torch Selector (prior on only). This fix has not yet run on a GPU.
+    rest = tl.where(n > 1.0, (n - 1.0 - jf) / tl.maximum(n - 1.0, 1.0), 1.0)
+    pos = -beta * u_pow + eta * tl.log(tl.maximum(rest, 1e-30))
     kn = tl.load(KN + lo + j, mask=valid, other=1.0)
     norm = -gamma * tl.log(tl.maximum(kn, 1e-30))
     return tl.where(valid, w_norm * norm + w_pos * pos, float("-inf"))

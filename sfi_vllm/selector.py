@@ -53,9 +53,12 @@ class Selector:
         n = key_norms.shape[-1]
         if n == 1:
             u = torch.zeros(1, device=key_norms.device)
+            rest = torch.ones(1, device=key_norms.device)
         else:
-            u = torch.arange(n, device=key_norms.device, dtype=torch.float32) / (n - 1)
-        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log((1.0 - u).clamp_min(_EPS))
+            j = torch.arange(n, device=key_norms.device, dtype=torch.float32)
+            u = j / (n - 1)
+            rest = (n - 1 - j) / (n - 1)  # 1 - u without cancellation: exactly 0 at the last candidate
+        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log(rest.clamp_min(_EPS))
         norm = -c.gamma * torch.log(key_norms.float().clamp_min(_EPS))
         return _log_normalize(c.w_norm * norm + c.w_pos * pos)
 
@@ -208,7 +211,8 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
     # 2-3. prior and closed-form fusion
     if c.use_prior:
         u = j / (n - 1).clamp_min(1.0)
-        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log((1.0 - u).clamp_min(_EPS))
+        rest = torch.where(n > 1, (n - 1 - j) / (n - 1).clamp_min(1.0), 1.0)  # 1 - u, as in log_prior
+        pos = -c.beta * u.pow(c.pos_power) + c.eta * torch.log(rest.clamp_min(_EPS))
         norm = -c.gamma * torch.log(key_norms[..., lo:].float().clamp_min(_EPS))
         log_r = torch.where(valid, c.w_norm * norm + c.w_pos * pos, neg_inf)
         log_r = log_r - torch.logsumexp(log_r, dim=-1, keepdim=True)
