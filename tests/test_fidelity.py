@@ -2,6 +2,7 @@
 tests) forcing through a real vLLM CPU engine, where dense forced on its own greedy tokens must
 agree with itself (top-1 1.0, KL ~0)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -239,3 +240,14 @@ def test_engine_dense_vs_dense_agrees_with_itself(model_dir, tmp_path):
         if r["kind"] == "forced":
             assert r["prefill_step_kl"] < 1e-4  # step 0 comes from the dense prefill, for every policy
     assert (tmp_path / "f.jsonl").read_text().count("\n") == 2
+
+
+def test_engine_max_len_stays_within_the_model(tmp_path):
+    from sfi_vllm.quality.fidelity import engine_max_len
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert engine_max_len(str(tmp_path), [2048, 4096]) == 4608
+    assert engine_max_len(str(tmp_path), [2048, 8192]) == 8192  # the H200 run failed here at 8704
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine_max_len(str(tmp_path), [16384])
+    assert engine_max_len(str(tmp_path / "no-such-dir"), [2048]) == 2560
