@@ -229,8 +229,9 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                            seq_lens=(3000, 2900, 2500), k=(300, 300, 250), seed=4):
-    """SlowStepSelection (CUDA graph per shape) against the eager batched Selector, for two
-    different batches of the same shape: the replay must read each call's inputs."""
+    """SlowStepSelection (CUDA graph per shape) against the eager batched Selector, for three
+    different batches of the same shape: the first runs eagerly, the second captures, the third
+    replays (``capture_after=2``), and each must read its own inputs."""
     from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.config import SelectorConfig
     from sfi_vllm.selector import Selector, select_batched
@@ -238,9 +239,9 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
 
     g = torch.Generator().manual_seed(seed)
     sel = Selector(SelectorConfig())
-    graphs = SlowStepSelection()
+    graphs = SlowStepSelection(capture_after=2)
     lo = 4
-    for trial in range(2):
+    for trial in range(3):
         nb, bt = block_tables(seq_lens, page, 3, g, device)
         paged, kc, _ = paged_cache(nb, page, hkv, d, dtype, device, g)
         q = torch.randn(len(seq_lens), hq, d, generator=g).to(device, dtype)
@@ -254,6 +255,7 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
             agree = sum(len(set(a[h].tolist()) & set(r[h].tolist())) for h in range(hkv)) / (hkv * kk)
             assert agree > 0.99, (trial, b, agree)
     assert graphs.captures == (1 if device == "cuda" else 0)
+    assert graphs.eager_runs == (1 if device == "cuda" else 0)
     return 0.0
 
 

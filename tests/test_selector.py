@@ -148,3 +148,20 @@ def test_batched_selector_matches_per_row_reference(rng, overrides, hkv, group):
     for b in range(len(ctx)):
         ref = sel.select(probs[b, ..., : ctx[b]], norms[b, :, lo:hi[b]], lo, hi[b], k[b])
         assert torch.equal(got[b, :, : k[b]], ref), b
+
+
+def test_slow_step_selection_captures_a_shape_only_once_it_recurs():
+    """A shape's CUDA graph is captured from its third use on; the use counts are bounded and
+    counted per shape (a mixed workload must not capture every new shape it meets)."""
+    from sfi_vllm.backends import selection
+
+    sel = selection.SlowStepSelection()
+    a, b = ("a",), ("b",)
+    assert [sel.count_use(a) for _ in range(4)] == [False, False, True, True]
+    assert sel.count_use(b) is False  # counted apart from a
+    for i in range(selection.MAX_COUNTED_SHAPES):
+        sel.count_use((i,))
+    assert len(sel._uses) == selection.MAX_COUNTED_SHAPES
+    assert a not in sel._uses  # the oldest shapes are forgotten
+    assert sel.count_use(a) is False
+    assert selection.SlowStepSelection(capture_after=1).count_use(a) is True

@@ -14,8 +14,14 @@ and every later slow step of that shape:
 * per-row candidate counts and budgets are device inputs of the graph; the score kernel (whose
   key-cache pointer differs per layer) runs outside the graph into the graph's static input.
 
-The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted). Without CUDA (tests on
-the CPU, Triton's interpreter) the same body runs eagerly.
+The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted). A shape is captured only
+from its ``CAPTURE_AFTER``-th use on; before that its work runs eagerly. Capturing is expensive
+(``torch.cuda.graph`` synchronises the device and empties the caching allocator), and a mixed
+workload (many requests with different policies and budgets, slow rows joining and leaving) sees
+a new shape at nearly every slow step: the H200 quality and fidelity runs of 2026-11-30 stepped
+at about 0.3 s per engine step, which this is meant to remove (not yet measured on a GPU). A
+benchmark with one stable shape captures it at its third slow step. Without CUDA (tests on the
+CPU, Triton's interpreter) the same body always runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
+CAPTURE_AFTER = 3
+MAX_COUNTED_SHAPES = 256
 # The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
 # Measured on the H200 at commit 26dc4db (one slow step's selection work per layer,
 # benchmarks/attn_timing.py, as run by e2e_bench.py): fused vs torch 382 vs 557 us at 1 x 8K,
@@ -53,11 +61,23 @@ class _Entry:
 
 
 class SlowStepSelection:
-    def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME) -> None:
+    def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME,
+                 capture_after: int = CAPTURE_AFTER) -> None:
         self.max_graphs = max_graphs
         self.fused_max_frame = fused_max_frame
+        self.capture_after = capture_after
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._uses: OrderedDict[tuple, int] = OrderedDict()  # per shape, newest MAX_COUNTED_SHAPES
         self.captures = 0
+        self.eager_runs = 0
+
+    def count_use(self, key: tuple) -> bool:
+        """Record one use of a shape; True once it has been used ``capture_after`` times."""
+        n = self._uses.pop(key, 0) + 1
+        self._uses[key] = n
+        while len(self._uses) > MAX_COUNTED_SHAPES:
+            self._uses.popitem(last=False)
+        return n >= self.capture_after
 
     @staticmethod
     def frame_width(max_context: int) -> int:
@@ -98,6 +118,9 @@ class SlowStepSelection:
         if q.device.type != "cuda":
             return body()
         if entry.graph is None:
+            if not self.count_use(key):
+                self.eager_runs += 1
+                return body()
             self._capture(entry, body)
         entry.graph.replay()
         assert entry.positions is not None
