@@ -220,6 +220,12 @@ def aggregate(per: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
+def write_jsonl(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
 def rescore(raw_files, out: str, merged_raw: str | None = None) -> list[dict[str, Any]]:
     """Rows (as ``eval --out``) from the per-request records of one or more ``eval --raw`` files.
     A request (policy, retention, task, context, sample index) found in more than one file counts
@@ -241,13 +247,9 @@ def rescore(raw_files, out: str, merged_raw: str | None = None) -> list[dict[str
         print(f"rescore: {differ} requests found twice with different scores; the first file's kept", flush=True)
     per = list(seen.values())
     if merged_raw:
-        with open(merged_raw, "w") as f:
-            for p in per:
-                f.write(json.dumps(p) + "\n")
+        write_jsonl(merged_raw, per)
     rows = aggregate(per)
-    with open(out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(out, rows)
     return rows
 
 
@@ -330,13 +332,9 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     if dropped:
         print(f"{dropped} of {len(samples)} samples not (fully) run: left out of the scores", flush=True)
     if raw_out:
-        with open(raw_out, "w") as f:
-            for p in per:
-                f.write(json.dumps(p) + "\n")
+        write_jsonl(raw_out, per)
     rows = aggregate(per)
-    with open(out, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(out, rows)
     print(f"wrote {len(rows)} rows to {out}")
     errors = [p for p in per if p["config_error"]]
     if errors:
