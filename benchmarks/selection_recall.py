@@ -2,6 +2,7 @@
 
     python benchmarks/selection_recall.py --context 2048 --samples 10 --out recall.jsonl
     python benchmarks/selection_recall.py --task niah_single --context 2048 --samples 20
+    python benchmarks/selection_recall.py --evidence prompt-tail --context 2048 --samples 20
 
 For samples of a retrieval task of the quality suite (passkey by default), SmolLM2-135M-Instruct (transformers, float32, eager
 attention) runs the chat prompt and its first greedy token, which is what vLLM's first decode step
@@ -13,6 +14,12 @@ retention: the share of the needle's tokens (every occurrence of every answer st
 prompt, e.g. both occurrences of the pass key) that are selected, averaged over layers and KV heads; the share of (layer, head) sets holding every needle
 token; and the evidence mass f on the needle. Samples whose needle lies in the recent window (kept
 by every policy) are left out of the means and counted.
+
+``--evidence prompt-tail`` takes the evidence instead from the attention of the last ``--tail``
+prompt queries (16 by default), every query head of the group x every one of those rows pooled by
+the Selector, with the Selector's several-rows lambda clip: how the authors' code bootstraps the
+first selection during prefill (their "last 16" log-f capture), where our backend uses the first
+decode step's query because vLLM's prefix caching skips the prompt's last queries.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ def main() -> int:
     ap.add_argument("--retentions", default="0.1,0.2")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default=None, help="also write one JSON object per sample x policy x retention")
+    ap.add_argument("--evidence", choices=("decode", "prompt-tail"), default="decode",
+                    help="the first decode step's attention (as the backend does), or the last --tail prompt queries'")
+    ap.add_argument("--tail", type=int, default=16, help="prompt queries pooled with --evidence prompt-tail")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,12 +84,24 @@ def main() -> int:
                                        add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         needle = needle_positions(tok, text, smp.answers)
+        tail = args.tail if args.evidence == "prompt-tail" else 0
         with torch.no_grad():
-            out = model(ids, use_cache=True)
+            if tail:  # the prompt in two parts, so that only the tail's attention is materialised
+                head = model(ids[:, :-tail], use_cache=True)
+                out = model(ids[:, -tail:], past_key_values=head.past_key_values, use_cache=True,
+                            output_attentions=True)
+            else:
+                out = model(ids, use_cache=True)
             first = out.logits[0, -1].argmax().view(1, 1)
             step = model(first, past_key_values=out.past_key_values, use_cache=True, output_attentions=True)
         ctx = ids.shape[1] + 1
         cache = step.past_key_values
+        if tail:  # (Hq, T, L) per layer -> (Hkv, G x T, ctx): the new token's column is 0
+            evidence = [torch.nn.functional.pad(a[0], (0, 1)).view(hkv, (hq // hkv) * tail, ctx)
+                        for a in out.attentions]
+        else:
+            evidence = [a[0, :, 0, :].view(hkv, hq // hkv, ctx) for a in step.attentions]
+        rows_pooled = max(1, tail)
         for r in retentions:
             for pol in policies:
                 cfg = build_config({"boundary_token_ids": [0], **policy_overrides(pol, r, ctx)}, use_env=False)
@@ -87,12 +109,11 @@ def main() -> int:
                 cand = [p for p in needle if sinks <= p < ws]
                 sel = Selector(cfg.selector)
                 recall, full, mass = [], [], []
-                for layer, att in enumerate(step.attentions):
-                    probs = att[0, :, 0, :].view(hkv, hq // hkv, ctx)  # (Hkv, G, ctx)
+                for layer, probs in enumerate(evidence):  # (Hkv, rows, ctx)
                     keys = cache.layers[layer].keys[0] if hasattr(cache, "layers") else cache[layer][0][0]
                     norms = keys[:, sinks:ws].float().norm(dim=-1)  # (Hkv, C)
                     f = sel.evidence(probs, sinks, ws)
-                    chosen = sel.select(probs, norms, sinks, ws, k, 1) if 0 < k < ws - sinks else \
+                    chosen = sel.select(probs, norms, sinks, ws, k, rows_pooled) if 0 < k < ws - sinks else \
                         torch.arange(sinks, sinks + k).expand(hkv, k)
                     for h in range(hkv) if cand else ():
                         got = set(chosen[h].tolist())
@@ -102,15 +123,17 @@ def main() -> int:
                         mass.append(float(f[h, [p - sinks for p in cand]].sum()))
                 if not cand:  # the needle is in the window (or the sinks): every policy keeps it
                     rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
-                                     window_start=ws, needle_tokens=len(needle), needle_candidates=0))
+                                     window_start=ws, needle_tokens=len(needle), needle_candidates=0,
+                                     evidence=args.evidence, tail=tail))
                     continue
                 rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
                                  window_start=ws, needle_tokens=len(needle), needle_candidates=len(cand),
                                  recall=statistics.fmean(recall), all_needle=statistics.fmean(full),
-                                 needle_evidence=statistics.fmean(mass)))
+                                 needle_evidence=statistics.fmean(mass), evidence=args.evidence, tail=tail))
         print(f"sample {smp.index}: {len(needle)} needle tokens, {len(cand)} among the candidates", flush=True)
-    print(f"\n{args.task}, {args.context}-token suite, {args.samples} samples; mean over samples of the mean over "
-          f"{len(step.attentions)} layers x {hkv} KV heads")
+    source = f"the last {tail} prompt queries" if tail else "the first decode step"
+    print(f"\n{args.task}, {args.context}-token suite, {args.samples} samples, evidence from {source}; mean over "
+          f"samples of the mean over {len(step.attentions)} layers x {hkv} KV heads")
     print("| policy | retention | needle recall | sets with the whole needle | evidence mass on needle | samples |")
     print("|---|---|---|---|---|---|")
     for r in retentions:
