@@ -11,7 +11,8 @@
 # (vLLM 0.26.0 in /tmp/site, /tmp/sfi-env.sh), with .gpu-data carried (the suite files, made on the
 # development machine: sfi-vllm suite --contexts C --samples 300 --out .gpu-data/suite/suite-C.jsonl.xz):
 #   OUT=$OUT bash benchmarks/results/quality-h200-sweep.sh [TIME_LIMIT_S [ABLATION_SAMPLES [FIRST_SAMPLE]]]
-# TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
+# SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}' (CUDA
+# graphs for the engine; the 2026-11-30 run was eager). TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
 # about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
 # first be converted from the GGUF). FIRST_SAMPLE > 0 extends an earlier run with the samples from
 # that index on; merge with `sfi-vllm rescore RAW1,RAW2 --out rows.jsonl --merged-raw raw.jsonl`.
@@ -39,7 +40,7 @@ python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-
   --policies dense,streaming,snapkv,quest,sfi --retentions 0.1,0.2 \
   --ablations sfi-no-prior,sfi-no-nms,sfi-no-exclusivity,sfi-interval,sfi-boundary --ablation-samples "$ABL" \
   --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
-  --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" 2>&1 | tee "$OUT/eval.log"
+  --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
 rc=${PIPESTATUS[0]}
 echo "eval exit $rc after $(( $(date +%s) - t_start )) s"
 if [ "$rc" = 0 ]; then
