@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-POLICIES = ("sfi", "sfi-no-prior", "sfi-no-nms", "sfi-no-exclusivity", "sfi-evidence-only", "sfi-smooth", "snapkv")
+POLICIES = ("sfi", "sfi-no-prior", "sfi-no-nms", "sfi-no-exclusivity", "sfi-evidence-only", "sfi-smooth", "sfi-pages", "snapkv")
 
 
 def needle_positions(tok: Any, text: str, keys: tuple[str, ...]) -> list[int]:

@@ -312,8 +312,9 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j``, equal to
     ``batched_scores_static(Selector(cfg), softmax(logits), norms, lo, n)``. ``n (B,)`` float32:
     candidates per row. ``cfg`` is a :class:`sfi_vllm.config.SelectorConfig`."""
-    if cfg.smooth_kernel > 1:
-        raise NotImplementedError("sfi-vllm: the fused selector has no evidence smoothing (smooth_kernel > 1)")
+    if cfg.smooth_kernel > 1 or cfg.page_size > 1:
+        raise NotImplementedError("sfi-vllm: the fused selector has no evidence smoothing (smooth_kernel > 1) "
+                                  "and no page selection (page_size > 1); the torch Selector serves them")
     B, hkv, g, frame = logits.shape
     assert norms.shape == (B, hkv, frame) and logits.stride(-1) == 1 and norms.stride(-1) == 1
     assert logits.dtype == torch.float32 and norms.dtype == torch.float32 and n.dtype == torch.float32

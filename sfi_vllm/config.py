@@ -52,6 +52,11 @@ class SelectorConfig(BaseModel):
     smooth_kernel: int = Field(
         0, ge=0, le=257, description="average-pool the evidence over this many positions (SnapKV-style; 0: off)"
     )
+    page_size: int = Field(
+        0, ge=0, le=256,
+        description="select whole pages of this many candidates ranked by their fused mass (soft-NMS "
+        "and exclusivity then act on pages; 0 or 1: token by token, the method's); ours, not the paper's",
+    )
 
 
 class SFIConfig(BaseModel):

@@ -18,6 +18,9 @@ tokens / context tokens) at a context length.
   split, not the Selector, decides prompt-end questions at small budgets), ``sfi-evidence-only``
   (no prior, no soft-NMS, no exclusivity) and ``sfi-smooth`` (SnapKV's 7-position pooling of the
   evidence added to SFI): diagnostics for where SFI's selection loses to SnapKV-style.
+* ``sfi-pages`` (ours, not the paper's): SFI's Selector ranking 16-token pages by their fused
+  mass instead of single tokens (``selector.page_size``), so soft-NMS spreads the budget across
+  regions without thinning a multi-token answer written a digit per token.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-evidence-only": {"policy": "sfi", "selector": {"use_prior": False, "use_nms": False,
                                                        "use_exclusivity": False}},
     "sfi-smooth": {"policy": "sfi", "selector": {"smooth_kernel": 7}},
+    "sfi-pages": {"policy": "sfi", "selector": {"page_size": 16}},
 }
 _WINDOW_SHARE = {"sfi-wide-window": 0.5}  # of the budget; every other selecting policy: 0.25
 POLICIES = tuple(_POLICY)

@@ -14,6 +14,13 @@ recent window), for each KV head:
    ``log s'' = log s' + c * log rho``;
 6. top-K of ``log s''`` per head.
 
+``page_size > 1`` (ours, not the paper's) ranks whole pages of candidates instead of tokens: after
+the fusion, each page's score is its fused mass (log-sum-exp of ``log s`` over the page), soft-NMS
+(radius ``ceil(nms_radius / page_size)`` pages) and exclusivity act on page scores, and every
+token takes its page's score plus ``PAGE_TIE_BREAK * log s`` (so top-K takes whole pages, best
+first, and the last, partly taken page keeps its best tokens). A multi-token unit (a number written
+a digit per token) then stays together instead of soft-NMS keeping only its peak token.
+
 This module is the plain-torch spec; GPU kernels must match it.
 """
 
@@ -26,6 +33,27 @@ from sfi_vllm.config import SelectorConfig
 
 _LOG_FLOOR = -80.0  # log-probabilities are clamped here so that differences stay finite
 _EPS = 1e-30
+PAGE_TIE_BREAK = 1e-4  # x log s in [-80, 0]: orders tokens inside a page, at most 0.008 across pages
+
+
+def page_mass(log_s: torch.Tensor, page: int) -> torch.Tensor:
+    """``log s (..., C)`` -> ``(..., ceil(C / page))``: log of each page's total mass (-inf entries,
+    candidates past a row's end, add nothing; a page of only -inf is -inf)."""
+    pad = (-log_s.shape[-1]) % page
+    x = F.pad(log_s, (0, pad), value=float("-inf"))
+    return torch.logsumexp(x.unflatten(-1, (-1, page)), dim=-1)
+
+
+def page_expand(page_scores: torch.Tensor, log_s: torch.Tensor, page: int) -> torch.Tensor:
+    """Token scores from page scores: the page's score plus ``PAGE_TIE_BREAK * log s``, in float64
+    (in float32 the tie-break would lose the order of tokens whose ``log s`` differ by < 3e-3)."""
+    per_token = page_scores.double().repeat_interleave(page, dim=-1)[..., : log_s.shape[-1]]
+    return per_token + PAGE_TIE_BREAK * log_s.double()
+
+
+def page_radius(cfg: SelectorConfig) -> int:
+    """Soft-NMS radius in pages (page mode) or tokens."""
+    return -(-cfg.nms_radius // cfg.page_size) if cfg.page_size > 1 else cfg.nms_radius
 
 
 def _log_normalize(logits: torch.Tensor) -> torch.Tensor:
@@ -85,7 +113,7 @@ class Selector:
 
     # 4. soft-NMS --------------------------------------------------------------------------------
     def soft_nms(self, log_s: torch.Tensor) -> torch.Tensor:
-        r = self.cfg.nms_radius
+        r = page_radius(self.cfg)
         local_max = F.max_pool1d(log_s[:, None, :], kernel_size=2 * r + 1, stride=1, padding=r)[:, 0]
         return log_s - self.cfg.nms_strength * (local_max - log_s)
 
@@ -111,10 +139,16 @@ class Selector:
             log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=num_query_rows > 1)
         else:
             log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
+        page = self.cfg.page_size
+        token_log_s = log_s
+        if page > 1:
+            log_s = page_mass(log_s, page)
         if self.cfg.use_nms:
             log_s = self.soft_nms(log_s)
         if self.cfg.use_exclusivity:
             log_s = self.exclusivity(log_s)
+        if page > 1:
+            log_s = page_expand(log_s, token_log_s, page)
         return log_s
 
     def select(
@@ -228,11 +262,18 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
     else:
         log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
     log_s = torch.where(valid, log_s, neg_inf)
+    token_log_s = log_s
+    if c.page_size > 1:  # pages of candidates: the units that steps 4-5 and top-K rank
+        log_s = page_mass(log_s, c.page_size)
+        units = log_s.shape[-1]
+        valid = torch.arange(units, device=dev, dtype=torch.float32) * c.page_size < n
+    else:
+        units = width
 
     # 4. soft-NMS (positions past a row's candidates are -inf, as max_pool1d's padding is)
     if c.use_nms:
-        r_ = c.nms_radius
-        local_max = F.max_pool1d(log_s.reshape(B * hkv, 1, width), 2 * r_ + 1, 1, r_).view(B, hkv, width)
+        r_ = page_radius(c)
+        local_max = F.max_pool1d(log_s.reshape(B * hkv, 1, units), 2 * r_ + 1, 1, r_).view(B, hkv, units)
         log_s = torch.where(valid, log_s - c.nms_strength * (local_max - log_s), neg_inf)
 
     # 5. cross-head exclusivity
@@ -240,4 +281,6 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
         log_rho = torch.log_softmax(torch.where(valid, log_s, 0.0) / c.exclusivity_temperature, dim=1)
         log_s = torch.where(valid, log_s + c.exclusivity_strength * log_rho, neg_inf)
 
+    if c.page_size > 1:
+        log_s = page_expand(log_s, token_log_s, c.page_size)
     return log_s

@@ -125,6 +125,8 @@ def test_selector_prefers_attended_tokens(rng):
     {"use_nms": False},
     {"use_exclusivity": False},
     {"alpha": 1.0, "use_prior": False, "use_nms": False, "use_exclusivity": False, "smooth_kernel": 7},
+    {"page_size": 16},
+    {"page_size": 8, "use_nms": False},
 ])
 @pytest.mark.parametrize("hkv,group", [(8, 4), (3, 3), (2, 1)])
 def test_batched_selector_matches_per_row_reference(rng, overrides, hkv, group):
@@ -165,3 +167,36 @@ def test_slow_step_selection_captures_a_shape_only_once_it_recurs():
     assert a not in sel._uses  # the oldest shapes are forgotten
     assert sel.count_use(a) is False
     assert selection.SlowStepSelection(capture_after=1).count_use(a) is True
+
+
+def test_page_selection_keeps_a_run_of_tokens_that_token_soft_nms_thins():
+    """A needle written over 10 adjacent tokens, its evidence peaked on the first: token-level
+    soft-NMS keeps the peak and pushes the neighbours below the background; page selection (16)
+    keeps the needle's page whole, then takes the best tokens of the next page by mass."""
+    n, lo = 400, 4
+    probs = torch.full((3, 3, n + lo), 1e-4)
+    needle = torch.arange(194, 204)  # candidate indices, inside page 12 (j = 192..207)
+    probs[:, :, lo + needle] = 0.001
+    probs[:, :, lo + 194] = 0.02
+    probs[:, :, lo + 300] = 0.01  # a single-token peak in page 18 (j = 288..303)
+    norms = torch.ones(3, n)
+    token = Selector(SelectorConfig(use_prior=False, use_exclusivity=False))
+    paged = Selector(SelectorConfig(use_prior=False, use_exclusivity=False, page_size=16))
+    k = 20
+    needle_abs = set((lo + needle).tolist())
+    tok_sel = set(token.select(probs, norms, lo, lo + n, k)[0].tolist())
+    assert lo + 194 in tok_sel and len(needle_abs & tok_sel) < 5  # soft-NMS thins the run
+    page_sel = paged.select(probs, norms, lo, lo + n, k)[0].tolist()
+    assert len(page_sel) == k
+    assert set(range(lo + 192, lo + 208)) <= set(page_sel)  # the needle's page, whole
+    assert lo + 300 in page_sel  # then the next page's best token first
+
+
+def test_page_mass_ignores_positions_past_the_candidates():
+    from sfi_vllm.selector import page_mass
+
+    x = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf"), float("-inf")]])
+    got = page_mass(x, 2)
+    assert got.shape == (1, 3)
+    assert torch.allclose(got[0, 0], torch.log(torch.tensor(2.0)))
+    assert got[0, 1] == float("-inf") and got[0, 2] == float("-inf")

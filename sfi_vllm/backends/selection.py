@@ -109,10 +109,11 @@ class SlowStepSelection:
             entry.loaded = loaded
 
         def body() -> torch.Tensor:
-            if selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame:  # fused kernels
+            if selector.cfg.smooth_kernel <= 1 and selector.cfg.page_size <= 1 and width <= self.fused_max_frame:
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
                 return top_k_positions(scores, lo, entry.budgets, kmax)
-            probs = torch.softmax(entry.logits, dim=-1)  # evidence smoothing: the torch Selector
+            # evidence smoothing, page selection or a long frame: the torch Selector
+            probs = torch.softmax(entry.logits, dim=-1)
             return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)
 
         if q.device.type != "cuda":
