@@ -22,7 +22,7 @@ if [ ! -f $M/config.json ]; then
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
 python3 -m sfi_vllm.cli fidelity --model $M --contexts 2048,4096,8192 --docs "$DOCS" --tokens "$T" \
-  --policies dense,sfi,streaming,snapkv,quest,sfi-no-nms --retentions 0.1,0.2 \
+  --policies dense,sfi,streaming,snapkv,quest,sfi-no-nms,sfi-pages --retentions 0.1,0.2 \
   --max-num-seqs 512 --gpu-memory-utilization 0.85 \
   --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \
   > "$OUT/fidelity.log" 2>&1

@@ -37,7 +37,7 @@ fi
 S=.gpu-data/suite
 python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
   --contexts 2048,4096,8192 --samples 300 --first-sample "$FIRST" --no-progress \
-  --policies dense,streaming,snapkv,quest,sfi --retentions 0.1,0.2 \
+  --policies dense,streaming,snapkv,quest,sfi,sfi-pages --retentions 0.1,0.2 \
   --ablations sfi-no-prior,sfi-no-nms,sfi-no-exclusivity,sfi-interval,sfi-boundary --ablation-samples "$ABL" \
   --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
   --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
