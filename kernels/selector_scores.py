@@ -18,7 +18,10 @@ took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. 
    over the head axis. Writes the final scores.
 
 The SnapKV-style smoothing of the evidence (``smooth_kernel > 1``, a diagnostic policy) is not
-implemented here: :func:`selector_scores` raises and callers keep the torch path for it.
+implemented here: :func:`selector_scores` raises and callers keep the torch path for it. Page
+selection (``page_size > 1``) sums ``log s`` per page in torch (:func:`sfi_vllm.selector.page_mass`),
+runs ``_nms_exclusivity`` over the pages, and spreads the page scores back to tokens in torch
+(float64, :func:`sfi_vllm.selector.page_expand`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sfi_vllm.selector import page_expand, page_mass, page_radius
 
 # The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
@@ -312,9 +317,8 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j``, equal to
     ``batched_scores_static(Selector(cfg), softmax(logits), norms, lo, n)``. ``n (B,)`` float32:
     candidates per row. ``cfg`` is a :class:`sfi_vllm.config.SelectorConfig`."""
-    if cfg.smooth_kernel > 1 or cfg.page_size > 1:
-        raise NotImplementedError("sfi-vllm: the fused selector has no evidence smoothing (smooth_kernel > 1) "
-                                  "and no page selection (page_size > 1); the torch Selector serves them")
+    if cfg.smooth_kernel > 1:
+        raise NotImplementedError("sfi-vllm: the fused selector has no evidence smoothing (smooth_kernel > 1)")
     B, hkv, g, frame = logits.shape
     assert norms.shape == (B, hkv, frame) and logits.stride(-1) == 1 and norms.stride(-1) == 1
     assert logits.dtype == torch.float32 and norms.dtype == torch.float32 and n.dtype == torch.float32
@@ -354,12 +358,19 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
         log_s.stride(0), log_s.stride(1), lo, width, *prior,
         HKV=hkv, G=g, G_PAD=g_pad, USE_PRIOR=cfg.use_prior, BLOCK=tile)
     use_excl = cfg.use_exclusivity and hkv > 2
-    if not cfg.use_nms and not use_excl:
-        return log_s
-    hkv_pad = max(2, triton.next_power_of_2(hkv))
-    tile2 = max(16, min(256, 2048 // hkv_pad))
-    _nms_exclusivity[(B, triton.cdiv(width, tile2))](
-        log_s, n, out, log_s.stride(0), log_s.stride(1), width, cfg.nms_radius, cfg.nms_strength,
-        cfg.exclusivity_temperature, cfg.exclusivity_strength,
-        HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2)
-    return out
+    page = cfg.page_size
+    token_log_s = log_s
+    units, n_units = width, n
+    if page > 1:  # pages: their mass in torch (three ops), then soft-NMS and exclusivity over pages
+        log_s = page_mass(log_s, page).contiguous()
+        units, n_units = log_s.shape[-1], n / page  # page i is valid iff i * page < n, i.e. i < n / page
+        out = torch.empty_like(log_s)
+    if cfg.use_nms or use_excl:
+        hkv_pad = max(2, triton.next_power_of_2(hkv))
+        tile2 = max(16, min(256, 2048 // hkv_pad))
+        _nms_exclusivity[(B, triton.cdiv(units, tile2))](
+            log_s, n_units, out, log_s.stride(0), log_s.stride(1), units, page_radius(cfg), cfg.nms_strength,
+            cfg.exclusivity_temperature, cfg.exclusivity_strength,
+            HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2)
+        log_s = out
+    return page_expand(log_s, token_log_s, page) if page > 1 else log_s

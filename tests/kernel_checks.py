@@ -287,7 +287,8 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
     worst = 0.0
     if variants is None:
         variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
-                    {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False}]
+                    {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False},
+                    {"page_size": 16}, {"page_size": 8, "use_nms": False}]
     for over in variants:
         for rows in (1, 2):
             cfg = SelectorConfig(**over)
@@ -481,7 +482,7 @@ def run_all(device: str) -> None:
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
-                              block=64, variants=[{}, {"use_prior": False, "use_nms": False}])
+                              block=64, variants=[{}, {"use_prior": False, "use_nms": False}, {"page_size": 16}])
         print("kernel checks passed (interpreter)")
         return
     for dtype in (torch.bfloat16, torch.float16):

@@ -40,13 +40,14 @@ MAX_GRAPHS = 4
 CAPTURE_AFTER = 3
 MAX_COUNTED_SHAPES = 256
 # The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
-# Measured on the H200 at commit 26dc4db (one slow step's selection work per layer,
-# benchmarks/attn_timing.py, as run by e2e_bench.py): fused vs torch 382 vs 557 us at 1 x 8K,
-# 772 vs 954 at 16 x 16K, 989 vs 956 at 8 x 32K, but 1,987 vs 733 at 1 x 128K and 3,187 vs
-# 2,090 at 6 x 128K, when the statistics kernel ran one program per (row, KV head) over the whole
-# frame. The statistics passes now split the frame (kernels/selector_scores.py); attn_timing.py
-# times both paths so that this bound follows the measurement.
-FUSED_MAX_FRAME = 32768
+# Measured on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py as run
+# by e2e_bench.py), fused vs torch: at commit 26dc4db, with one statistics program per (row, KV
+# head), 1,987 vs 733 us at 1 x 128K, so the bound was 32K; with the split statistics passes
+# (53a24c5) and the exact 1 - u of the prior (4272536; before it, 32K and 128K frames disagreed
+# with the reference), on 2026-11-30: 1,168 vs 2,069 us at 6 x 128K, 563 vs 681 at 1 x 128K, 637
+# vs 953 at 8 x 32K, 596 vs 682 at 1 x 32K, with tests/kernel_checks.py passing at a 128K frame.
+# The bound now only guards frames beyond the measured range.
+FUSED_MAX_FRAME = 262144
 
 
 @dataclass
@@ -109,10 +110,10 @@ class SlowStepSelection:
             entry.loaded = loaded
 
         def body() -> torch.Tensor:
-            if selector.cfg.smooth_kernel <= 1 and selector.cfg.page_size <= 1 and width <= self.fused_max_frame:
+            if selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame:  # fused kernels
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
                 return top_k_positions(scores, lo, entry.budgets, kmax)
-            # evidence smoothing, page selection or a long frame: the torch Selector
+            # evidence smoothing or a frame past the bound: the torch Selector
             probs = torch.softmax(entry.logits, dim=-1)
             return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)
 
