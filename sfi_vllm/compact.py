@@ -186,6 +186,12 @@ class PackedCompactBuffer:
         """Point ``slots`` at their freshly written sets ``targets`` (a device write, ordered
         after the repack on the current stream) and update the host mirrors."""
         self.slot_map_dev[slots_dev] = targets_dev
+        self.publish_host(slots, generations, targets, counts, window_starts)
+
+    def publish_host(self, slots: list[int], generations: list[int], targets: list[int], counts: list[int],
+                     window_starts: list[int]) -> None:
+        """The host half of :meth:`publish` (the device half written by whoever repacked: the
+        ``slot_map_dev`` write above, or ``sfi_vllm_kernels.repack.repack_selected``)."""
         for slot, gen, t, n, ws in zip(slots, generations, targets, counts, window_starts):
             self.slot_map[slot] = t
             self.length[slot] = n

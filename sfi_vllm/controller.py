@@ -85,6 +85,7 @@ class SFIController:
         self.buffers: list[CompactBuffer] = []
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         self._slow_selection = None
+        self._step_refresh = None
         self._refresh_stream = None
         self._refresh_pending = False
         self.current_plan: StepPlan | None = None
@@ -166,8 +167,19 @@ class SFIController:
             self._slow_selection = SlowStepSelection()
         return self._slow_selection
 
-    def register_buffer(self, buf: CompactBuffer) -> None:
+    @property
+    def step_refresh(self):
+        """The per-step refresh (``slow_refresh = "per_step"``, :mod:`sfi_vllm.backends.step_refresh`)."""
+        if self._step_refresh is None:
+            from sfi_vllm.backends.step_refresh import StepRefresh
+
+            self._step_refresh = StepRefresh()
+        return self._step_refresh
+
+    def register_buffer(self, buf: CompactBuffer) -> int:
+        """Register one layer's compact buffer; returns the layer's index among the SFI layers."""
         self.buffers.append(buf)
+        return len(self.buffers) - 1
 
     # -- request lifecycle ----------------------------------------------------------------------
     def request_config(self, overrides: dict | None) -> SFIConfig:
@@ -298,6 +310,10 @@ class SFIController:
         return self.current_plan
 
     def end_step(self) -> None:
+        """After the step's forward: run the staged per-step refresh (``slow_refresh =
+        "per_step"``), then forget the plan."""
+        if self._step_refresh is not None:
+            self._step_refresh.flush(self)
         self.current_plan = None
 
 

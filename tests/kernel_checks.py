@@ -227,6 +227,66 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     return err
 
 
+def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                       seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None):
+    """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
+    when the step ends, replayed from a CUDA graph) against ``"per_layer"``, layer by layer: each
+    layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
+    data: on CUDA the first runs eagerly, the second captures, the later ones replay (and must
+    read their own inputs). ``chunk_bytes`` small: one layer per Selector launch."""
+    from sfi_vllm.backends.common import SFILayer, make_step
+    from sfi_vllm.backends.step_refresh import StepRefresh
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import fake_vllm_config, plan_for
+
+    n = len(seq_lens)
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    ctls, stacks = [], []
+    for mode in ("per_layer", "per_step"):
+        over = {**base, "slow_refresh": mode}
+        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+        cap = ctl.cfg.compact_capacity(8192)
+        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+                                packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
+                       for _ in range(layers)])
+        ctls.append(ctl)
+    ctls[1]._step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
+    g = torch.Generator().manual_seed(11)
+    paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
+    for _ in range(steps):
+        pageds = [PagedKV(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype),
+                          "flash", d) for _ in range(layers)]
+        qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
+        for ctl, stack in zip(ctls, stacks):
+            step = make_step(plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
+            for li, layer in enumerate(stack):
+                layer.refresh(step, pageds[li], qs[li], li)
+            ctl.end_step()  # the per-step refresh runs here
+            ctl.join_refresh()
+        assert not ctls[1].step_refresh.pending
+        for a_layer, b_layer in zip(*stacks):
+            a, b = a_layer.packed, b_layer.packed
+            assert a.slot_map == b.slot_map and a.length == b.length and a.window_start == b.window_start
+            assert a.generation == b.generation
+            assert torch.equal(a.slot_map_dev.cpu(), b.slot_map_dev.cpu())
+            for row in range(n):
+                phys = a.slot_map[row]
+                assert int(b.length_dev[phys]) == a.length[row] and int(b.window_start_dev[phys]) == a.window_start[row]
+                same = (a.published_keys(row) == b.published_keys(row)).all(-1).float().mean().item()
+                assert same > 0.99, f"row {row}: {same:.3f} of the compact set identical"
+                n_tok = a.length[row]
+                same_v = (a.values[phys, :, :n_tok] == b.values[phys, :, :n_tok]).all(-1).float().mean().item()
+                assert same_v > 0.99, f"row {row}: {same_v:.3f} of the compact values identical"
+    sr = ctls[1].step_refresh
+    if device == "cuda":
+        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
+    return 0.0
+
+
 def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                            seq_lens=(3000, 2900, 2500), k=(300, 300, 250), seed=4):
     """SlowStepSelection (CUDA graph per shape) against the eager batched Selector, for three
@@ -479,6 +539,8 @@ def run_all(device: str) -> None:
         assert err < 1e-4, err
         check_packed_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(600, 300, 900, 400))
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
+        check_step_refresh("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2,
+                           steps=2)
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
@@ -495,6 +557,8 @@ def run_all(device: str) -> None:
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
+            check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d)
+            check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d, chunk_bytes=1)
     check_double_buffer(device)
     check_refresh_ordering()
     for dtype in (torch.bfloat16, torch.float16):

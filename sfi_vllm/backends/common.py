@@ -208,6 +208,17 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
     record_fast_rows(controller, plan, rows, controller.buffers[0])
 
 
+def all_scored(plan: StepPlan, step: SFIStep, rows: list[int], sinks: int) -> bool:
+    """Whether every row selects ``0 < K`` of more than ``K`` candidates (the Selector runs for
+    all of them; the per-step refresh serves only such groups)."""
+    for r in rows:
+        cfg, ctx = plan.configs[r], step.seq_lens[r]
+        k = selected_count(cfg, ctx)
+        if not 0 < k < window_start(cfg, ctx) - sinks:
+            return False
+    return True
+
+
 def layer_index(layer: Any, fallback: int) -> int:
     m = _LAYER_INDEX.search(getattr(layer, "layer_name", "") or "")
     return int(m.group(1)) if m else fallback
@@ -226,7 +237,7 @@ class SFILayer:
         # plain-torch reference storage
         self.packed = packed
         self.buffer = packed if packed is not None else CompactBuffer()
-        controller.register_buffer(self.buffer)
+        self.index = controller.register_buffer(self.buffer)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self._selectors: dict = {}
@@ -259,13 +270,21 @@ class SFILayer:
             # may reuse the query's memory once this layer returns and rewrites the block table
             # before the next step. The rest runs on the refresh stream when there is one.
             jobs = []
-            for group in groups.values():
+            per_step = self.controller.cfg.slow_refresh == "per_step"
+            for (_, sinks), group in groups.items():
                 key = ("refresh", tuple(group))
                 if key not in step.layer_cache:  # once per step: the same for every layer
                     step.layer_cache[key] = (_to_device([step.row_token[r] for r in group], dev),
-                                             step.block_table[_to_device(group, dev)].to(torch.int32))
-                tok, bt = step.layer_cache[key]
-                jobs.append((group, query[tok], bt))
+                                             step.block_table[_to_device(group, dev)].to(torch.int32),
+                                             per_step and all_scored(plan, step, group, sinks))
+                tok, bt, deferred = step.layer_cache[key]
+                if deferred:  # staged now, selected with every other layer when the step ends
+                    self.controller.step_refresh.record(step, self, paged, query, group, tok, bt, sinks,
+                                                        len(self.controller.buffers))
+                else:
+                    jobs.append((group, query[tok], bt))
+            if not jobs:
+                return
             side = self.controller.fork_refresh(dev)
             if side is None:
                 for group, q_rows, bt in jobs:

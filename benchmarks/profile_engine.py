@@ -1,0 +1,98 @@
+"""Profile SFI decode steps in a real vLLM engine on the GPU: where a slow step's time goes.
+
+    python3 benchmarks/profile_engine.py --point 1x8192 [--tokens 24] [--sfi JSON] [--out DIR]
+
+One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on e2e_bench.py's Qwen3-4B-shaped
+model serves one point with e2e_bench's SFI settings. After a prefill and a warm-up, three
+generate calls of ``--tokens`` tokens run with e2e_bench's slow-step probe (a slow step every
+other step): one timed plainly, one under cProfile (host time per Python function: the
+``tottime`` and ``cumtime`` tables), one under torch.profiler (device time per kernel, host time
+per op). Prints the tables; with ``--out`` also writes them to ``profile-engine-BxC.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--point", default="1x8192", help="BATCHxCONTEXT")
+    ap.add_argument("--tokens", type=int, default=24, help="tokens per profiled generate call")
+    ap.add_argument("--sfi", default=None, help="JSON overrides of the engine's SFI settings")
+    ap.add_argument("--out", default=None, help="folder for profile-engine-BxC.txt")
+    args = ap.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from e2e_bench import PROBE, SFI, make_model
+
+    batch, context = (int(x) for x in args.point.split("x"))
+    model = Path("/tmp/sfi-qwen3-4b-shape")
+    make_model(model)
+    sfi = {**SFI, **(json.loads(args.sfi) if args.sfi else {})}
+    llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=context + args.tokens + 64,
+              max_num_seqs=max(batch, 1), enable_prefix_caching=True, seed=0, enforce_eager=False,
+              gpu_memory_utilization=float(os.environ.get("SFI_BENCH_GPU_MEM", "0.9")),
+              max_num_batched_tokens=16384,
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, batch})},
+              attention_backend="sfi", additional_config={"sfi": sfi})
+    g = torch.Generator().manual_seed(batch * 7 + context)
+    prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()}
+               for _ in range(batch)]
+    probe = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, extra_args={"sfi": PROBE})
+    plain = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+    for params in (probe, plain, probe):  # warm-up: Triton compiles, selection graphs captured
+        llm.generate(prompts, params, use_tqdm=False)
+
+    lines = [f"# profile_engine.py --point {args.point} --tokens {args.tokens} sfi={json.dumps(sfi)}"]
+    for name, params in (("probe (slow step every other step)", probe), ("engine settings", plain)):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        lines.append(f"{name}: {args.tokens} tokens x {batch} in {time.perf_counter() - t:.3f} s")
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, probe, use_tqdm=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    for key, n in (("tottime", 45), ("cumtime", 60)):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
+        lines.append(f"## cProfile, probe run, by {key}\n" + s.getvalue())
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        llm.generate(prompts, probe, use_tqdm=False)
+        torch.cuda.synchronize()
+    avg = tp.key_averages()
+    lines.append("## torch.profiler, probe run, by device time\n"
+                 + avg.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    lines.append("## torch.profiler, probe run, by host time\n"
+                 + avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+    text = "\n\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"profile-engine-{args.point}.txt").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,245 @@
+"""StepRefresh: a slow step's re-selection for every layer at once, after the step's last layer.
+
+The per-layer refresh (``sfi.slow_refresh = "per_layer"``, :meth:`SFILayer._refresh_packed`) runs
+score kernel, Selector, top-K and repack right after each layer's dense attention. Its host cost
+is about half a millisecond per layer (launches, small torch ops, stream switches; profiled in a
+real engine on the H200: ``benchmarks/results/profile-engine-h200.md``), which at batch 1 makes a
+slow step several times a dense one while the device idles.
+
+With ``"per_step"`` a layer only copies its slow rows' queries into a staging buffer (one launch).
+When the step ends (:meth:`sfi_vllm.controller.SFIController.end_step`) the work of every layer
+runs at once, on the refresh stream when there is one, ordered after the last layer's copy:
+
+* per layer the score kernel, into a ``(C, R, Hkv, G, W)`` logits buffer of ``C`` layers (as many
+  as ``LOGITS_BYTES`` allows);
+* per ``C`` layers one fused Selector and one top-K over ``C x R`` rows;
+* per layer one ``repack_selected`` launch, which also writes the publish's device metadata.
+
+All of it reads device inputs only (staged queries, block-table rows, lengths, budgets, targets),
+so it is captured in one CUDA graph per shape (rows, frame bucket, K, sinks, Selector setting,
+layers) from the shape's ``CAPTURE_AFTER``-th use and replayed afterwards: one host call per step
+instead of a few dozen per layer. The host mirrors of the compact buffers are updated at the same
+time. A group of rows any of whose rows needs no scoring (its candidates all fit) keeps the
+per-layer path. Fast steps of the next step read the new sets because the metadata builder joins
+the refresh stream first, as with the per-layer path. What is lost: the per-layer path overlaps
+the selection with the next layers' work; here it overlaps only with the step's tail (final norm,
+logits, sampling) and the next step's host preparation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sfi_vllm.backends.selection import CAPTURE_AFTER, FUSED_MAX_FRAME, MAX_GRAPHS, SlowStepSelection
+from sfi_vllm.host_copy import copy_to_device
+from sfi_vllm.selector import select_batched_static, top_k_positions
+
+# Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
+LOGITS_BYTES = 256 << 20
+
+
+@dataclass
+class _Job:
+    """One group of slow rows of one step (one Selector setting and sink count), with the layers
+    that refresh it."""
+    rows: tuple[int, ...]
+    cfg: Any  # SFIConfig of the group's first row
+    sinks: int
+    ctx: list[int]
+    ws: list[int]
+    k: list[int]
+    slots: list[int]
+    generations: list[int]
+    tok: torch.Tensor  # (R,) token index of each row
+    bt: torch.Tensor  # (R, max_blocks) int32 block-table rows
+    stage: torch.Tensor  # (layers, R, Hq, D): the staged queries
+    layers: list = field(default_factory=list)  # SFILayer, in record order
+    kv: list = field(default_factory=list)  # (key_cache, value_cache) per recorded layer
+
+
+@dataclass
+class _Entry:
+    bt: torch.Tensor
+    seq: torch.Tensor  # (R,) int32
+    counts: torch.Tensor  # (C x R,) float32: candidates per row, repeated per layer of a chunk
+    budgets: torch.Tensor  # (C x R,) int64
+    meta: torch.Tensor  # (layers, 4, R) int32: repack_selected's meta per layer
+    logits: torch.Tensor  # (C, R, Hkv, G, W) float32
+    norms: torch.Tensor  # (C, R, Hkv, W) float32
+    pointers: tuple  # the caches and buffers captured (a graph is only valid for the same ones)
+    graph: Any = None
+
+
+class StepRefresh:
+    def __init__(self, capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS,
+                 logits_bytes: int = LOGITS_BYTES, fused_max_frame: int = FUSED_MAX_FRAME) -> None:
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.logits_bytes = logits_bytes
+        self.fused_max_frame = fused_max_frame
+        self._pending: dict[tuple, _Job] = {}
+        self._stages: dict[tuple, torch.Tensor] = {}
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._uses = SlowStepSelection(capture_after=capture_after)  # its use counter
+        self._event = None
+        self.captures = 0
+        self.replays = 0
+        self.eager_runs = 0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def record(self, step, layer, paged, query: torch.Tensor, rows: list[int], tok: torch.Tensor,
+               bt: torch.Tensor, sinks: int, num_layers: int) -> None:
+        """Stage layer ``layer``'s queries of the slow ``rows`` (all scored) for :meth:`flush`.
+        ``query (tokens, Hq, D)``; ``tok``/``bt``: the rows' token indices and block-table rows,
+        made once per step."""
+        from sfi_vllm.compact import selected_count, window_start
+
+        plan = step.plan
+        cfg = plan.configs[rows[0]]
+        key = (tuple(rows), sinks, cfg.selector)
+        job = self._pending.get(key)
+        if job is None:
+            ctx = [step.seq_lens[r] for r in rows]
+            ordinal = sum(1 for j in self._pending.values() if len(j.rows) == len(rows))
+            skey = (len(rows), ordinal, num_layers, query.shape[1], query.shape[2], query.dtype, query.device)
+            stage = self._stages.get(skey)
+            if stage is None:
+                stage = self._stages[skey] = torch.empty(num_layers, len(rows), query.shape[1], query.shape[2],
+                                                         dtype=query.dtype, device=query.device)
+            job = self._pending[key] = _Job(
+                rows=tuple(rows), cfg=cfg, sinks=sinks, ctx=ctx,
+                ws=[window_start(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                k=[selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
+                tok=tok, bt=bt, stage=stage)
+        torch.index_select(query, 0, job.tok, out=job.stage[layer.index])
+        job.layers.append(layer)
+        job.kv.append(paged.nhd_views())
+        if query.device.type == "cuda":
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record()
+
+    def flush(self, controller) -> None:
+        """Run every staged layer's selection and repack, and publish the new sets."""
+        if not self._pending:
+            return
+        jobs = list(self._pending.values())
+        self._pending = {}
+        dev = jobs[0].stage.device
+        side = controller.refresh_stream(dev)
+        if side is None:
+            for job in jobs:
+                self._run(job)
+            return
+        side.wait_event(self._event)
+        controller._refresh_pending = True
+        with torch.cuda.stream(side):
+            for job in jobs:
+                self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        layers = job.layers
+        layer0 = layers[0]
+        R, hq, d = job.stage.shape[1:]
+        hkv = layer0.num_kv_heads
+        g = hq // hkv
+        lo, sinks = job.sinks, job.sinks
+        width = SlowStepSelection.frame_width(max(job.ctx))
+        kmax = max(job.k)
+        per_layer = R * hkv * (g + 1) * width * 4
+        chunk = max(1, min(len(layers), self.logits_bytes // per_layer))
+        dev = job.stage.device
+        key = (R, tuple(l.index for l in layers), id(job.stage), job.bt.shape[1], width, kmax, sinks,
+               job.cfg.selector, chunk, hkv, g, dev)
+        pointers = tuple(kc.data_ptr() for kc, _ in job.kv) + tuple(l.packed.keys.data_ptr() for l in layers)
+        entry = self._entries.get(key)
+        if entry is not None and entry.pointers != pointers:
+            del self._entries[key]
+            entry = None
+        if entry is None:
+            while len(self._entries) >= self.max_graphs:
+                self._entries.popitem(last=False)
+            z = dict(dtype=torch.float32, device=dev)
+            entry = self._entries[key] = _Entry(
+                bt=torch.empty_like(job.bt), seq=torch.empty(R, dtype=torch.int32, device=dev),
+                counts=torch.empty(chunk * R, **z), budgets=torch.empty(chunk * R, dtype=torch.long, device=dev),
+                meta=torch.empty(len(layers), 4, R, dtype=torch.int32, device=dev),
+                logits=torch.empty(chunk, R, hkv, g, width, **z), norms=torch.empty(chunk, R, hkv, width, **z),
+                pointers=pointers)
+        self._entries.move_to_end(key)
+
+        # this step's inputs, into the entry's static tensors
+        entry.bt.copy_(job.bt)
+        targets = [[l.packed.target(s) for s in job.slots] for l in layers]
+        counts = [sinks + kk for kk in job.k]
+        meta = torch.tensor([[t, counts, job.ws, job.slots] for t in targets], dtype=torch.int32)
+        copy_to_device(entry.meta, meta)
+        copy_to_device(entry.seq, torch.tensor(job.ctx, dtype=torch.int32))
+        copy_to_device(entry.counts, torch.tensor([w - lo for w in job.ws] * chunk, dtype=torch.float32))
+        copy_to_device(entry.budgets, torch.tensor(job.k * chunk, dtype=torch.long))
+
+        selector = layer0.selector(job.cfg)
+        fused = selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame
+        scale = layer0.scale
+
+        def body() -> None:
+            from sfi_vllm_kernels.repack import repack_selected
+            from sfi_vllm_kernels.selector_scores import selector_scores
+            from sfi_vllm_kernels.slow_scores import slow_step_scores
+
+            for c0 in range(0, len(layers), chunk):
+                part = range(c0, min(c0 + chunk, len(layers)))
+                nc = len(part)
+                for i, li in enumerate(part):
+                    slow_step_scores(job.stage[layers[li].index], job.kv[li][0], entry.bt, entry.seq, width, scale,
+                                     out=(entry.logits[i], entry.norms[i]))
+                lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
+                cnt, bud = entry.counts[: nc * R], entry.budgets[: nc * R]
+                if fused:
+                    sel = top_k_positions(selector_scores(selector.cfg, lg, nm, lo, cnt), lo, bud, kmax)
+                else:
+                    sel = select_batched_static(selector, torch.softmax(lg, dim=-1), nm, lo, cnt, bud, kmax)
+                sel = sel.reshape(nc, R, hkv, kmax)
+                for i, li in enumerate(part):
+                    buf = layers[li].packed
+                    kc, vc = job.kv[li]
+                    repack_selected(kc, vc, entry.bt, sel[i], sinks, entry.meta[li], buf.keys, buf.values,
+                                    buf.length_dev, buf.window_start_dev, buf.slot_map_dev)
+
+        if dev.type != "cuda":
+            body()
+        elif entry.graph is not None:
+            entry.graph.replay()
+            self.replays += 1
+        elif self._uses.count_use(key):
+            entry.graph = self._capture(body)
+            entry.graph.replay()
+            self.captures += 1
+        else:
+            body()
+            self.eager_runs += 1
+        for layer, t in zip(layers, targets):
+            layer.packed.publish_host(job.slots, job.generations, t, counts, job.ws)
+
+    @staticmethod
+    def _capture(body):
+        # warm up on a side stream (lazily initialised kernels and workspaces), then capture; the
+        # warm-up's writes are the same as the replay's that follows
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            body()
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            body()
+        return graph
