@@ -257,9 +257,11 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ctls[1]._step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
     g = torch.Generator().manual_seed(11)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
+    # each layer's cache, allocated once (an engine's caches persist; a graph holds their addresses)
+    pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
     for _ in range(steps):
-        pageds = [PagedKV(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype),
-                          "flash", d) for _ in range(layers)]
+        for p in pageds:  # new data in place
+            p.kv_cache.copy_(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype))
         qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
         for ctl, stack in zip(ctls, stacks):
             step = make_step(plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
