@@ -122,11 +122,12 @@ class SFIConfig(BaseModel):
         "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
     )
 
-    slow_refresh: Literal["per_layer", "per_step"] = Field(
-        "per_layer",
+    slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
+        "auto",
         description="GPU kernel path: a slow step re-selects each layer right after its dense "
         "attention (per_layer), or every layer at once after the step's last layer, replayed from "
-        "one CUDA graph per shape (per_step: far less host time per layer, less overlap)",
+        "one CUDA graph per shape (per_step: far less host time per layer, less overlap); auto: "
+        "per_step while the slow rows hold at most 512K tokens in all",
     )
 
     # Observability.

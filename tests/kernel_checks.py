@@ -150,7 +150,7 @@ def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq
 
 
 def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi"):
+                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi", refresh="per_layer"):
     """The GPU layer path (score kernel + batched Selector + one repack; fast rows through the
     step's tables; the uniform all-rows launch with a dense row and a padding row) against the
     reference layer (per-row torch selector, gathered keys, reference attention)."""
@@ -164,7 +164,8 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
-    over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides(policy, retention, max(seq_lens))}
+    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+            **policy_overrides(policy, retention, max(seq_lens))}
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
@@ -184,6 +185,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     outs = []
     for layer in (ref, fast, fast2):
         layer.refresh(slow, paged, qd, 0)
+        ctl.end_step()  # the runner hook after the forward (runs a per-step refresh)
         ctl.join_refresh()  # what the metadata builder does at the start of the next step
         out = torch.full_like(qd, float("nan"))
         layer.fast(step, paged, qd, out)
@@ -419,7 +421,7 @@ def check_double_buffer(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=
 
 
 def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(12000, 5000, 9000),
-                           retention=0.1, sleep_cycles=200_000_000):
+                           retention=0.1, sleep_cycles=200_000_000, refresh="per_layer"):
     """CUDA only: the slow step's refresh runs on the second stream, ordered by events. The refresh
     stream is held up (a sleep kernel) while a second slow step's refresh is enqueued; a fast step
     issued before the join must read the previous (published) sets exactly, one issued after the
@@ -435,7 +437,8 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
 
     device = "cuda"
     n = len(seq_lens)
-    over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+            **policy_overrides("sfi", retention, max(seq_lens))}
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
     assert ctl.cfg.side_stream
     packed = PackedCompactBuffer(4, hkv, ctl.cfg.compact_capacity(max(seq_lens)), d, dtype, device, double_buffer=True)
@@ -453,6 +456,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
         return out
 
     fast.refresh(slow, paged, q1, 0)
+    ctl.end_step()
     ctl.join_refresh()
     old = read()
     torch.cuda.synchronize()
@@ -465,6 +469,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     with torch.cuda.stream(side):
         torch.cuda._sleep(sleep_cycles)
     fast.refresh(slow, paged, q2, 0)
+    ctl.end_step()
     during = read()  # no join: must see the published (first) sets
     ctl.join_refresh()
     after = read()
@@ -558,11 +563,13 @@ def run_all(device: str) -> None:
             check_repack(device, dtype, hkv=hkv, d=d)
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
+            check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, refresh="per_step")
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d)
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d, chunk_bytes=1)
     check_double_buffer(device)
     check_refresh_ordering()
+    check_refresh_ordering(refresh="per_step")
     for dtype in (torch.bfloat16, torch.float16):
         check_quest_layer(device, dtype)
         check_quest_layer(device, dtype, hq=9, hkv=3, d=64)

@@ -37,6 +37,7 @@ def test_fraction_budget_with_floor_and_cap():
         ({"bogus": 1}, "sfi.bogus"),
         ({"preset": "fast"}, "unknown preset"),
         ({"selected_floor": 10, "selected_cap": 5, "selected_fraction": 0.1}, "selected_floor"),
+        ({"slow_refresh": "per_token"}, "sfi.slow_refresh"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):
@@ -57,3 +58,14 @@ def test_from_vllm_additional_config():
 
     with pytest.raises(SFIConfigError, match="JSON object"):
         config_from_vllm(Bad())
+
+
+def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
+    from sfi_vllm.backends.step_refresh import AUTO_MAX_TOKENS, refresh_per_step
+
+    assert build_config({}, use_env=False).slow_refresh == "auto"
+    # the measured points (e2e-h200.md): 8 x 32K per step, 6 x 128K per layer
+    assert refresh_per_step("auto", [32768] * 8) and refresh_per_step("auto", [131072])
+    assert not refresh_per_step("auto", [131072] * 6)
+    assert refresh_per_step("auto", [AUTO_MAX_TOKENS]) and not refresh_per_step("auto", [AUTO_MAX_TOKENS, 1])
+    assert refresh_per_step("per_step", [131072] * 6) and not refresh_per_step("per_layer", [10])

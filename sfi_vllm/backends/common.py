@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
+from sfi_vllm.backends.step_refresh import refresh_per_step
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
@@ -270,13 +271,14 @@ class SFILayer:
             # may reuse the query's memory once this layer returns and rewrites the block table
             # before the next step. The rest runs on the refresh stream when there is one.
             jobs = []
-            per_step = self.controller.cfg.slow_refresh == "per_step"
+            mode = self.controller.cfg.slow_refresh
             for (_, sinks), group in groups.items():
                 key = ("refresh", tuple(group))
                 if key not in step.layer_cache:  # once per step: the same for every layer
                     step.layer_cache[key] = (_to_device([step.row_token[r] for r in group], dev),
                                              step.block_table[_to_device(group, dev)].to(torch.int32),
-                                             per_step and all_scored(plan, step, group, sinks))
+                                             refresh_per_step(mode, [step.seq_lens[r] for r in group])
+                                             and all_scored(plan, step, group, sinks))
                 tok, bt, deferred = step.layer_cache[key]
                 if deferred:  # staged now, selected with every other layer when the step ends
                     self.controller.step_refresh.record(step, self, paged, query, group, tok, bt, sinks,

@@ -15,6 +15,11 @@ Two kinds of step:
   repacked in one launch; fast rows run the fast-step kernel; Quest-style rows get their pages
   from the page-bound kernel (``sfi_vllm_kernels.quest_pages``), repacked, then the fast-step kernel.
 
+**Per-step refresh** (``sfi.slow_refresh``: ``per_step``, or ``auto`` for small enough slow rows):
+instead of the above per layer, each layer stages its slow rows' queries and the whole step's
+selection and repack run when the step ends, from one CUDA graph per shape
+(:mod:`sfi_vllm.backends.step_refresh`).
+
 **Second stream** (``sfi.side_stream``, on by default): a slow row's selection and repack are
 enqueued on a second CUDA stream after the layer's dense attention (the stream first waits for
 everything enqueued so far), so they overlap with the next layers; the slow rows' queries and

@@ -39,7 +39,23 @@ from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import select_batched_static, top_k_positions
 
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
+# One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
+# slow_refresh = "auto": per step while a group's slow rows hold at most this many tokens in all.
+# Measured on the H200 (e2e-h200.md, 2026-11-30, one slow step per 21): per step was faster at
+# 1 x 8K, 1 x 32K, 1 x 128K, 16 x 16K and 8 x 32K (up to 262,144 tokens; ratios 0.88 / 1.12 /
+# 1.62 / 1.92 / 2.38x against 0.68 / 0.89 / 1.41 / 1.77 / 1.89x per layer) and slower at 6 x 128K
+# (786,432 tokens; 4.77x against 5.25x), where the device is busy and the per-layer path hides part
+# of the selection behind the next layers. The bound lies between the two measured sizes; it was
+# not tuned further.
+AUTO_MAX_TOKENS = 1 << 19
+
+
+def refresh_per_step(mode: str, contexts: list[int]) -> bool:
+    """Whether a group of slow rows with these contexts takes the per-step refresh."""
+    if mode == "auto":
+        return sum(contexts) <= AUTO_MAX_TOKENS
+    return mode == "per_step"
 
 
 @dataclass
@@ -84,6 +100,7 @@ class StepRefresh:
         self._pending: dict[tuple, _Job] = {}
         self._stages: dict[tuple, torch.Tensor] = {}
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._scratch: torch.Tensor | None = None  # logits + norms, shared by every entry
         self._uses = SlowStepSelection(capture_after=capture_after)  # its use counter
         self._event = None
         self.captures = 0
@@ -167,12 +184,19 @@ class StepRefresh:
         if entry is None:
             while len(self._entries) >= self.max_graphs:
                 self._entries.popitem(last=False)
+            n_logits, n_norms = chunk * R * hkv * g * width, chunk * R * hkv * width
+            if self._scratch is None or self._scratch.numel() < n_logits + n_norms or self._scratch.device != dev:
+                # the graphs captured so far hold the old scratch's address: drop them with it
+                self._entries.clear()
+                self._scratch = None
+                self._scratch = torch.empty(n_logits + n_norms, dtype=torch.float32, device=dev)
             z = dict(dtype=torch.float32, device=dev)
             entry = self._entries[key] = _Entry(
                 bt=torch.empty_like(job.bt), seq=torch.empty(R, dtype=torch.int32, device=dev),
                 counts=torch.empty(chunk * R, **z), budgets=torch.empty(chunk * R, dtype=torch.long, device=dev),
                 meta=torch.empty(len(layers), 4, R, dtype=torch.int32, device=dev),
-                logits=torch.empty(chunk, R, hkv, g, width, **z), norms=torch.empty(chunk, R, hkv, width, **z),
+                logits=self._scratch[:n_logits].view(chunk, R, hkv, g, width),
+                norms=self._scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width),
                 pointers=pointers)
         self._entries.move_to_end(key)
 
