@@ -131,7 +131,11 @@ class SlowStepSelection:
     def _new_entry(self, key: tuple) -> _Entry:
         rows, hkv, g, width, _, _, _, device = key
         while len(self._entries) >= self.max_graphs:
-            self._entries.popitem(last=False)
+            _, old = self._entries.popitem(last=False)
+            if old.graph is not None:
+                # a graph's pool returns to the allocator when the graph goes, without waiting for
+                # a replay still running on this (the refresh) stream
+                torch.cuda.current_stream().synchronize()
         z = dict(dtype=torch.float32, device=device)
         entry = _Entry(logits=torch.empty(rows, hkv, g, width, **z), norms=torch.empty(rows, hkv, width, **z),
                        counts=torch.empty(rows, **z), budgets=torch.empty(rows, dtype=torch.long, device=device))

@@ -160,6 +160,7 @@ class StepRefresh:
         controller._refresh_pending = True
         with torch.cuda.stream(side):
             for job in jobs:
+                job.bt.record_stream(side)  # the step's tensor, made on the main stream
                 self._run(job)
 
     def _run(self, job: _Job) -> None:
@@ -179,15 +180,15 @@ class StepRefresh:
         pointers = tuple(kc.data_ptr() for kc, _ in job.kv) + tuple(l.packed.keys.data_ptr() for l in layers)
         entry = self._entries.get(key)
         if entry is not None and entry.pointers != pointers:
-            del self._entries[key]
+            self._drop([key])
             entry = None
         if entry is None:
-            while len(self._entries) >= self.max_graphs:
-                self._entries.popitem(last=False)
+            if len(self._entries) >= self.max_graphs:
+                self._drop(list(self._entries)[: len(self._entries) - self.max_graphs + 1])
             n_logits, n_norms = chunk * R * hkv * g * width, chunk * R * hkv * width
             if self._scratch is None or self._scratch.numel() < n_logits + n_norms or self._scratch.device != dev:
                 # the graphs captured so far hold the old scratch's address: drop them with it
-                self._entries.clear()
+                self._drop(list(self._entries))
                 self._scratch = None
                 self._scratch = torch.empty(n_logits + n_norms, dtype=torch.float32, device=dev)
             z = dict(dtype=torch.float32, device=dev)
@@ -252,6 +253,13 @@ class StepRefresh:
             self.eager_runs += 1
         for layer, t in zip(layers, targets):
             layer.packed.publish_host(job.slots, job.generations, t, counts, job.ws)
+
+    def _drop(self, keys: list) -> None:
+        """Forget entries. A captured graph's memory pool returns to the allocator when the graph
+        goes, without waiting for a replay still running: wait for the refresh work first."""
+        entries = [self._entries.pop(k) for k in keys]
+        if any(e.graph is not None for e in entries) and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the refresh stream inside flush()
 
     @staticmethod
     def _capture(body):
