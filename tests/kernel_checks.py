@@ -149,6 +149,42 @@ def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq
     return 0.0
 
 
+def check_repack_selected(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq_lens=(4000, 700, 2500),
+                          k=(1000, 130, 64), sinks=4, seed=2):
+    """``repack_selected`` against ``PagedKV.gather`` of sinks + the selection, and its metadata
+    writes (what a publish writes on the device); padding past a row's ``k`` must be ignored."""
+    from sfi_vllm_kernels.repack import repack_selected
+
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    nb, bt = block_tables(seq_lens, page, 2, g, device)
+    paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
+    K = max(k)
+    sel = torch.full((B, hkv, K), 10 ** 9, dtype=torch.long)  # padding: never read
+    for b in range(B):
+        for h in range(hkv):
+            sel[b, h, : k[b]] = torch.sort(sinks + torch.randperm(seq_lens[b] - sinks, generator=g)[: k[b]]).values
+    sel = sel.to(device)
+    targets, slots = [5, 2, 0][:B], [2, 1, 0][:B]
+    meta = torch.tensor([targets, [sinks + kk for kk in k], [s - 50 for s in seq_lens], slots],
+                        dtype=torch.int32, device=device)
+    ck = torch.full((6, hkv, sinks + K + 2, d), float("nan"), dtype=dtype, device=device)
+    cv = torch.full_like(ck, float("nan"))
+    length = torch.full((6,), -1, dtype=torch.int32, device=device)
+    wstart, smap = torch.full_like(length, -1), torch.full((3,), -1, dtype=torch.int32, device=device)
+    repack_selected(kc, vc, bt, sel, sinks, meta, ck, cv, length, wstart, smap)
+    for b in range(B):
+        pos = torch.cat([torch.arange(sinks, device=device).expand(hkv, sinks), sel[b, :, : k[b]]], dim=1)
+        kk, vv = paged.gather(bt[b], pos)
+        t, n = targets[b], sinks + k[b]
+        assert torch.equal(ck[t, :, :n], kk) and torch.equal(cv[t, :, :n], vv)
+        assert torch.isnan(ck[t, :, n:].float()).all(), "nothing written past the row's tokens"
+        assert int(length[t]) == n and int(wstart[t]) == seq_lens[b] - 50 and int(smap[slots[b]]) == t
+    untouched = [i for i in range(6) if i not in targets]
+    assert (length[untouched] == -1).all() and torch.isnan(ck[untouched].float()).all()
+    return 0.0
+
+
 def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi", refresh="per_layer"):
     """The GPU layer path (score kernel + batched Selector + one repack; fast rows through the
@@ -541,6 +577,7 @@ def run_all(device: str) -> None:
             err = check_slow_scores("cpu", dtype, hq=4, hkv=2, d=32, seq_lens=(150, 33))
             assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
+            check_repack_selected("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), k=(70, 20))
         check_double_buffer("cpu", torch.float32, hkv=2, d=32)
         err = check_quest_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(900, 400, 1300, 500, 60))
         assert err < 1e-4, err
@@ -561,6 +598,7 @@ def run_all(device: str) -> None:
             err = check_slow_scores(device, dtype, hq=hq, hkv=hkv, d=d)
             assert err < 2e-3, (dtype, hq, d, err)
             check_repack(device, dtype, hkv=hkv, d=d)
+            check_repack_selected(device, dtype, hkv=hkv, d=d)
             for policy in ("sfi", "streaming", "snapkv"):
                 check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, policy=policy)
             check_packed_layer(device, dtype, hq=hq, hkv=hkv, d=d, refresh="per_step")
