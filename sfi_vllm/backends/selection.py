@@ -143,15 +143,21 @@ class SlowStepSelection:
         return entry
 
     def _capture(self, entry: _Entry, body) -> None:
-        # warm up on a side stream (lazily initialised kernels and workspaces), then capture
-        main = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            body()
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            entry.positions = body()
-        entry.graph = graph
+        entry.graph, entry.positions = capture_graph(body)
         self.captures += 1
+
+
+def capture_graph(body) -> tuple[Any, Any]:
+    """``(graph, what body returned while captured)``. ``body`` runs once eagerly first, on a
+    side stream (lazily initialised kernels and workspaces), then under capture; the warm-up's
+    writes are those of the replay that follows."""
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        body()
+    main.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = body()
+    return graph, out

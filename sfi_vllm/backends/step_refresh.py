@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from sfi_vllm.backends.selection import CAPTURE_AFTER, FUSED_MAX_FRAME, MAX_GRAPHS, SlowStepSelection
+from sfi_vllm.backends.selection import (
+    CAPTURE_AFTER,
+    FUSED_MAX_FRAME,
+    MAX_GRAPHS,
+    SlowStepSelection,
+    capture_graph,
+)
 from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import select_batched_static, top_k_positions
 
@@ -245,7 +251,7 @@ class StepRefresh:
             entry.graph.replay()
             self.replays += 1
         elif self._uses.count_use(key):
-            entry.graph = self._capture(body)
+            entry.graph, _ = capture_graph(body)
             entry.graph.replay()
             self.captures += 1
         else:
@@ -260,18 +266,3 @@ class StepRefresh:
         entries = [self._entries.pop(k) for k in keys]
         if any(e.graph is not None for e in entries) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the refresh stream inside flush()
-
-    @staticmethod
-    def _capture(body):
-        # warm up on a side stream (lazily initialised kernels and workspaces), then capture; the
-        # warm-up's writes are the same as the replay's that follows
-        main = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            body()
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            body()
-        return graph
