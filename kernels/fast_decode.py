@@ -27,8 +27,8 @@ import triton.language as tl
 
 @triton.jit
 def _fast_decode_split(
-    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE,
-    stride_qb, stride_qh,
+    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
+    stride_qb, stride_qh, stride_stb, stride_sth,
     stride_cks, stride_ckh, stride_ckn,
     stride_cvs, stride_cvh, stride_cvn,
     stride_kb, stride_kt, stride_kh,
@@ -38,7 +38,7 @@ def _fast_decode_split(
     stride_lb, stride_lh,
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -64,6 +64,10 @@ def _fast_decode_split(
     gmask = offs_g < G
     q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
+    if HAS_STAGE:  # a copy of every row's query for the per-step refresh (split 0 writes it)
+        if s == 0:
+            tl.store(STAGE + b * stride_stb + (h * G + offs_g)[:, None] * stride_sth + offs_d[None, :], q,
+                     mask=gmask[:, None])
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -171,13 +175,16 @@ def fast_decode_attention(
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_map: torch.Tensor | None = None,  # (slots,) int32: slot -> physical set; None: identity
+    stage: torch.Tensor | None = None,  # (>= B, Hq, D): receives a copy of q (query staging)
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
     :func:`make_workspace`) and every launch reads only device tensors. With ``slot_map`` a
-    row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start)."""
+    row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start). With
+    ``stage`` the kernel also copies ``q`` there (the per-step refresh of slow rows that run inside
+    a full CUDA graph reads it)."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -186,11 +193,13 @@ def fast_decode_attention(
     acc, lse = workspace if workspace is not None else make_workspace(B, Hq, D, num_splits, q.device)
     for t in (q, compact_k, compact_v, key_cache, value_cache):
         assert t.stride(-1) == 1
+    if stage is not None:
+        assert stage.shape[0] >= B and stage.shape[1:] == q.shape[1:] and stage.stride(-1) == 1
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
         row_min_window_start, seq_lens, compact_len, window_start,
-        slot_map if slot_map is not None else row_slot, acc, lse,
-        q.stride(0), q.stride(1),
+        slot_map if slot_map is not None else row_slot, acc, lse, stage if stage is not None else q,
+        q.stride(0), q.stride(1), *((stage.stride(0), stage.stride(1)) if stage is not None else (0, 0)),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
         compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -201,6 +210,7 @@ def fast_decode_attention(
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
+        HAS_STAGE=stage is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](

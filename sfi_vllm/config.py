@@ -130,6 +130,14 @@ class SFIConfig(BaseModel):
         "per_step while the slow rows hold at most 512K tokens in all",
     )
 
+    slow_in_graph: bool = Field(
+        False,
+        description="GPU kernel path, experimental (not yet run on a GPU): a step whose slow rows "
+        "all take the per-step refresh (slow_refresh, no layer interleaving) runs as a uniform step, "
+        "in the full CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, "
+        "which also stages every row's query for the refresh after the step",
+    )
+
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines)")
 
@@ -155,6 +163,9 @@ class SFIConfig(BaseModel):
             raise ValueError(
                 f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
             )
+        if self.slow_in_graph and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
+            raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
+                             "and no layer_interleaved_refresh")
         return self
 
     @property

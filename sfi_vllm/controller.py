@@ -55,6 +55,9 @@ class StepPlan:
     configs: list[SFIConfig]  # each row's SFI config (the engine's, or its request's own)
     # tokens in the cache per row, including this step's (None: read them from the metadata)
     context: list[int] | None = None
+    # the slow rows run inside a full CUDA graph (``slow_in_graph``): dense in the fast-step kernel,
+    # re-selected from staged queries after the step
+    graph_slow: bool = False
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
@@ -62,7 +65,7 @@ class StepPlan:
     def row_needs_eager(self, i: int) -> bool:
         """A slow step (selector + repack) or a Quest-style step (per-step page selection): work
         that runs eagerly, outside a full CUDA graph."""
-        return self.modes[i] == StepMode.SLOW or (
+        return (self.modes[i] == StepMode.SLOW and not self.graph_slow) or (
             self.modes[i] == StepMode.FAST and self.configs[i].policy == "quest")
 
     @property
@@ -83,6 +86,8 @@ class SFIController:
         self._request_cfgs: dict[str, SFIConfig] = {}
         self.stats = StatsRegistry(cfg.stats_file)
         self.buffers: list[CompactBuffer] = []
+        self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
+        self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         self._slow_selection = None
         self._step_refresh = None
@@ -287,6 +292,7 @@ class SFIController:
                 slow_counts[i] = self.slow_count[slots[i]]
                 self.slow_count[slots[i]] += 1
             self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i])
+        slow = [i for i in range(n) if modes[i] == StepMode.SLOW]
         plan = StepPlan(
             num_reqs=n,
             req_ids=list(req_ids),
@@ -298,10 +304,31 @@ class SFIController:
             slow_counts=slow_counts,
             configs=[self.slot_cfg[s] for s in slots],
             context=context,
+            graph_slow=bool(slow) and self._slow_rows_fit_graph([self.slot_cfg[slots[i]] for i in slow],
+                                                                [context[i] for i in slow]),
         )
         self.current_plan = plan
         self.planned_steps += 1
         return plan
+
+    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], contexts: list[int]) -> bool:
+        """``slow_in_graph``: whether these slow rows can all be refreshed after the step from
+        staged queries (per-step refresh, every layer, the Selector needed for every row)."""
+        from sfi_vllm.backends.step_refresh import refresh_per_step
+        from sfi_vllm.compact import selected_count, window_start
+
+        if not self.cfg.slow_in_graph or not refresh_per_step(self.cfg.slow_refresh, contexts):
+            return False
+        for cfg, ctx in zip(cfgs, contexts):
+            k = selected_count(cfg, ctx)
+            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < window_start(cfg, ctx) - min(cfg.sinks, ctx):
+                return False
+        return True
+
+    def note_graph_slow(self, plan: StepPlan, block_table: torch.Tensor) -> None:
+        """The metadata builder made a uniform step of a plan with slow rows: they are refreshed
+        when the step ends, from the queries the fast-step kernel staged."""
+        self._graph_slow = (plan, block_table)
 
     def take_plan(self) -> StepPlan | None:
         """The plan for the metadata being built now, or None outside a planned step (profiling,
@@ -312,6 +339,10 @@ class SFIController:
     def end_step(self) -> None:
         """After the step's forward: run the staged per-step refresh (``slow_refresh =
         "per_step"``), then forget the plan."""
+        if self._graph_slow is not None:
+            plan, block_table = self._graph_slow
+            self._graph_slow = None
+            self.step_refresh.stage_graph_slow(self, plan, block_table)
         if self._step_refresh is not None:
             self._step_refresh.flush(self)
         self.current_plan = None

@@ -88,10 +88,13 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
     worst = 0.0
     for ns in splits:
         out = torch.full_like(q, float("nan"))
+        stage = torch.full((B + 2, hq, d), float("nan"), dtype=dtype, device=device) if ns == splits[-1] else None
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, row_min_ws, sl,
                               nc_by_slot.to(device), ws_by_slot.to(device), scale, ns, out=out,
-                              workspace=make_workspace(B, hq, d, ns, device))
+                              workspace=make_workspace(B, hq, d, ns, device), stage=stage)
         assert not torch.isnan(out).any(), f"unwritten output (splits={ns})"
+        if stage is not None:  # query staging: every row's q, nothing past the batch
+            assert torch.equal(stage[:B], q) and torch.isnan(stage[B:].float()).all()
         err = ((out.float().cpu() - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
     return worst
@@ -322,6 +325,86 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                 same_v = (a.values[phys, :, :n_tok] == b.values[phys, :, :n_tok]).all(-1).float().mean().item()
                 assert same_v > 0.99, f"row {row}: {same_v:.3f} of the compact values identical"
     sr = ctls[1].step_refresh
+    if device == "cuda":
+        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
+    return 0.0
+
+
+def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15):
+    """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
+    for the slow rows and stages every row's query; the refresh runs from the plan when the step
+    ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
+    outputs against dense attention. On CUDA the later steps replay the refresh graph."""
+    from sfi_vllm.attention_ref import dense_attention
+    from sfi_vllm.backends.common import SFILayer, make_step, uniform_tables
+    from sfi_vllm.backends.step_refresh import StepRefresh
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from test_sfi_layer import fake_vllm_config, plan_for
+
+    n = len(seq_lens)
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    ctls, stacks = [], []
+    for over in ({**base, "slow_refresh": "per_layer"}, {**base, "slow_refresh": "per_step", "slow_in_graph": True}):
+        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+        cap = ctl.cfg.compact_capacity(8192)
+        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+                                packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
+                       for _ in range(layers)])
+        ctls.append(ctl)
+    ref_ctl, ctl = ctls
+    ctl._step_refresh = StepRefresh(capture_after=2)
+    assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
+    g = torch.Generator().manual_seed(13)
+    paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)
+    pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
+    for layer, p in zip(stacks[1], pageds):
+        layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
+        layer.kv = p.nhd_views()
+    persistent = torch.zeros(2, n, dtype=torch.int32, device=device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    for _ in range(steps):
+        for p in pageds:
+            p.kv_cache.copy_(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype))
+        qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
+        # reference: the per-layer refresh of an eager slow step
+        step = make_step(plan_for([StepMode.SLOW] * n, cfg=ref_ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
+        for li, layer in enumerate(stacks[0]):
+            layer.refresh(step, pageds[li], qs[li], li)
+        ref_ctl.end_step()
+        ref_ctl.join_refresh()
+        # the same slow step as a uniform step
+        plan = plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens))
+        plan.graph_slow = True
+        assert not plan.needs_eager
+        tables = uniform_tables(plan, cam, persistent, ctl)
+        for li, layer in enumerate(stacks[1]):
+            out = torch.full_like(qs[li], float("nan"))
+            layer.fast_uniform(tables, pageds[li], qs[li], out, ws)
+            assert torch.equal(layer.stage[:n], qs[li]), "query staging"
+            for r in (0, n - 1):  # slow rows attend densely
+                keys, values = pageds[li].gather_range(cam.block_table_tensor[r], 0, seq_lens[r])
+                dense = dense_attention(qs[li][r], keys, values, d ** -0.5).float().cpu()
+                assert ((out[r].float().cpu() - dense).norm() / dense.norm()).item() < 2e-2, "dense slow row"
+        ctl.note_graph_slow(plan, cam.block_table_tensor)
+        ctl.end_step()
+        ctl.join_refresh()
+        assert not ctl.step_refresh.pending
+        for a_layer, b_layer in zip(*stacks):
+            a, b = a_layer.packed, b_layer.packed
+            assert a.slot_map == b.slot_map and a.length == b.length and a.window_start == b.window_start
+            assert torch.equal(a.slot_map_dev.cpu(), b.slot_map_dev.cpu())
+            for row in range(n):
+                phys = a.slot_map[row]
+                assert int(b.length_dev[phys]) == a.length[row]
+                same = (a.published_keys(row) == b.published_keys(row)).all(-1).float().mean().item()
+                assert same > 0.99, f"row {row}: {same:.3f} of the compact set identical"
+    sr = ctl.step_refresh
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
     return 0.0
@@ -585,6 +668,7 @@ def run_all(device: str) -> None:
         check_selection_replay("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 290, 250), k=(30, 30, 25))
         check_step_refresh("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2,
                            steps=2)
+        check_graph_slow("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2, steps=1)
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
@@ -605,6 +689,7 @@ def run_all(device: str) -> None:
             check_selection_replay(device, dtype, hq=hq, hkv=hkv, d=d)
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d)
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d, chunk_bytes=1)
+            check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d)
     check_double_buffer(device)
     check_refresh_ordering()
     check_refresh_ordering(refresh="per_step")

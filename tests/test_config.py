@@ -38,6 +38,7 @@ def test_fraction_budget_with_floor_and_cap():
         ({"preset": "fast"}, "unknown preset"),
         ({"selected_floor": 10, "selected_cap": 5, "selected_fraction": 0.1}, "selected_floor"),
         ({"slow_refresh": "per_token"}, "sfi.slow_refresh"),
+        ({"slow_in_graph": True, "slow_refresh": "per_layer"}, "slow_in_graph needs the per-step refresh"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):

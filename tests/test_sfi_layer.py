@@ -184,3 +184,22 @@ def test_controller_plans_rows_and_recycles_slots():
     assert p.slots == [0] and ctl.stats.finished["a"].slow_steps == 1
     with pytest.raises(RuntimeError, match="max_num_seqs"):
         ctl.plan_step(["c", "b", "d"], np.array([1, 1, 1]), np.array([5, 53, 3]), [5, 40, 3], torch.tensor([1, 1, 1]))
+
+
+def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_the_step():
+    import numpy as np
+
+    cfg = {"reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
+           "selected_tokens": 128, "slow_in_graph": True}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
+    # a's first decode step at 1000 tokens: the Selector runs -> in the graph
+    p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
+    assert p.modes == [StepMode.SLOW] and p.graph_slow and not p.needs_eager
+    # b's context (150) leaves fewer candidates than K: no selection to run -> eager, for the whole step
+    p = ctl.plan_step(["a", "b"], np.array([1, 1]), np.array([1001, 150]), [1000, 150], torch.tensor([7, 1]))
+    assert p.modes == [StepMode.FAST, StepMode.SLOW] and not p.graph_slow and p.needs_eager
+    # the engine default: slow steps stay eager
+    plain = {k: v for k, v in cfg.items() if k != "slow_in_graph"}
+    ctl = SFIController(build_config(plain, use_env=False), fake_vllm_config(plain, max_num_seqs=4))
+    p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
+    assert p.modes == [StepMode.SLOW] and not p.graph_slow and p.needs_eager

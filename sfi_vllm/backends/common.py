@@ -239,6 +239,12 @@ class SFILayer:
         self.packed = packed
         self.buffer = packed if packed is not None else CompactBuffer()
         self.index = controller.register_buffer(self.buffer)
+        controller.layers.append(self)
+        # slow_in_graph: this layer's copy of every row's query, written by the uniform launch
+        # (persistent: a captured graph holds its address); and the layer's KV views, noted at its
+        # eager calls, for a refresh made after a step that ran as a graph
+        self.stage: torch.Tensor | None = None
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self._selectors: dict = {}
@@ -510,7 +516,8 @@ class SFILayer:
         fast_decode_attention(
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev)
+            self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
+            stage=self.stage)
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
@@ -655,11 +662,16 @@ class SFIImplMixin:
         self.sfi_controller = get_controller(vllm_config)
         self.sfi = SFILayer(self.sfi_controller, num_heads, num_kv_heads, head_size,
                             float(self.scale), self._packed_buffer(vllm_config, num_kv_heads, head_size))
+        self.sfi.stage = self._query_stage(vllm_config, num_heads, head_size)
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
 
     def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         """Preallocated compact buffers for a kernel fast path (None: the torch reference)."""
+        return None
+
+    def _query_stage(self, vllm_config, num_heads: int, head_size: int) -> torch.Tensor | None:
+        """``slow_in_graph``: the persistent buffer the uniform launch copies queries into."""
         return None
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:  # per platform
@@ -671,6 +683,9 @@ class SFIImplMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         dense = super().forward  # type: ignore[misc]
+        if self.sfi.stage is not None and kv_cache.numel() and (
+                self.sfi.kv is None or self.sfi.kv[0].data_ptr() != kv_cache.data_ptr()):
+            self.sfi.kv = self._paged(kv_cache).nhd_views()  # the caches vLLM bound to this layer
         uniform = getattr(attn_metadata, "sfi_uniform", None)
         if uniform is not None:  # one decode token per row, all rows in one fixed-shape launch
             if output_scale is not None or output_block_scale is not None:

@@ -18,7 +18,9 @@ Two kinds of step:
 **Per-step refresh** (``sfi.slow_refresh``: ``per_step``, or ``auto`` for small enough slow rows):
 instead of the above per layer, each layer stages its slow rows' queries and the whole step's
 selection and repack run when the step ends, from one CUDA graph per shape
-(:mod:`sfi_vllm.backends.step_refresh`).
+(:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (experimental) such a step
+can even run as a uniform step: its slow rows attend densely in the fast-step kernel, which copies
+every row's query into the layer's persistent stage, and the refresh is built from the plan.
 
 **Second stream** (``sfi.side_stream``, on by default): a slow row's selection and repack are
 enqueued on a second CUDA stream after the layer's dense attention (the stream first waits for
@@ -127,6 +129,8 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         if n > self._row_tables.shape[1]:
             return False  # larger than any CUDA-graph batch: the eager path serves it
         meta.sfi_uniform = uniform_tables(plan, cam, self._row_tables, self.controller)
+        if plan is not None and plan.graph_slow:  # slow rows attend densely here, refreshed after the step
+            self.controller.note_graph_slow(plan, cam.block_table_tensor)
         return True
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:
@@ -169,6 +173,20 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         return PackedCompactBuffer(slots, num_kv_heads, capacity, head_size, dtype,
                                    torch.device("cuda", torch.cuda.current_device()),
                                    double_buffer=cfg.side_stream)
+
+    def _query_stage(self, vllm_config, num_heads: int, head_size: int) -> torch.Tensor | None:
+        from sfi_vllm.config import config_from_vllm
+
+        cfg = config_from_vllm(vllm_config)
+        if cfg.kernels == "torch" or not cfg.slow_in_graph:
+            return None
+        rows = max_uniform_rows(vllm_config)
+        dtype = vllm_config.model_config.dtype
+        stage = torch.empty(rows, num_heads, head_size, dtype=dtype,
+                            device=torch.device("cuda", torch.cuda.current_device()))
+        logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
+                         rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)
+        return stage
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)

@@ -78,7 +78,9 @@ class _Job:
     generations: list[int]
     tok: torch.Tensor  # (R,) token index of each row
     bt: torch.Tensor  # (R, max_blocks) int32 block-table rows
-    stage: torch.Tensor  # (layers, R, Hq, D): the staged queries
+    stage: torch.Tensor | None  # (layers, R, Hq, D): the queries staged by record()
+    # slow_in_graph: the rows' indices in each layer's own stage (written by the uniform launch)
+    rows_idx: list[int] | None = None
     layers: list = field(default_factory=list)  # SFILayer, in record order
     kv: list = field(default_factory=list)  # (key_cache, value_cache) per recorded layer
 
@@ -90,6 +92,7 @@ class _Entry:
     counts: torch.Tensor  # (C x R,) float32: candidates per row, repeated per layer of a chunk
     budgets: torch.Tensor  # (C x R,) int64
     meta: torch.Tensor  # (layers, 4, R) int32: repack_selected's meta per layer
+    rows: torch.Tensor  # (R,) int64: rows_idx on the device (slow_in_graph jobs)
     logits: torch.Tensor  # (C, R, Hkv, G, W) float32
     norms: torch.Tensor  # (C, R, Hkv, W) float32
     pointers: tuple  # the caches and buffers captured (a graph is only valid for the same ones)
@@ -150,13 +153,47 @@ class StepRefresh:
                 self._event = torch.cuda.Event()
             self._event.record()
 
+    def stage_graph_slow(self, controller, plan, block_table: torch.Tensor) -> None:
+        """Jobs for the slow rows of a step that ran as a uniform step (``slow_in_graph``): every
+        layer's queries are in its own stage, written by the fast-step kernel; row ``b`` of the
+        batch is token ``b``."""
+        from sfi_vllm.compact import selected_count, window_start
+        from sfi_vllm.host_copy import tensor_to_device
+        from sfi_vllm.trigger import StepMode
+
+        layers = list(controller.layers)
+        missing = [l.index for l in layers if l.stage is None or l.kv is None or l.packed is None]
+        if missing:
+            raise RuntimeError(f"sfi-vllm: slow_in_graph: layers {missing[:4]} have no query stage or KV views "
+                               "(their impl did not set them up); this is a bug")
+        assert plan.context is not None
+        groups: dict = {}
+        for r in plan.rows(StepMode.SLOW):
+            cfg, ctx = plan.configs[r], plan.context[r]
+            groups.setdefault((cfg.selector, min(cfg.sinks, ctx)), []).append(r)
+        dev = block_table.device
+        for (sel, sinks), rows in groups.items():
+            rows_dev = tensor_to_device(rows, dev)
+            ctx = [plan.context[r] for r in rows]
+            self._pending[("graph", tuple(rows), sinks, sel)] = _Job(
+                rows=tuple(rows), cfg=plan.configs[rows[0]], sinks=sinks, ctx=ctx,
+                ws=[window_start(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                k=[selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
+                tok=rows_dev, bt=block_table[rows_dev].to(torch.int32), stage=None, rows_idx=list(rows),
+                layers=layers, kv=[l.kv for l in layers])
+        if dev.type == "cuda":
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record()  # after the step's last layer
+
     def flush(self, controller) -> None:
         """Run every staged layer's selection and repack, and publish the new sets."""
         if not self._pending:
             return
         jobs = list(self._pending.values())
         self._pending = {}
-        dev = jobs[0].stage.device
+        dev = jobs[0].bt.device
         side = controller.refresh_stream(dev)
         if side is None:
             for job in jobs:
@@ -172,7 +209,7 @@ class StepRefresh:
     def _run(self, job: _Job) -> None:
         layers = job.layers
         layer0 = layers[0]
-        R, hq, d = job.stage.shape[1:]
+        R, hq = len(job.rows), layer0.num_heads
         hkv = layer0.num_kv_heads
         g = hq // hkv
         lo, sinks = job.sinks, job.sinks
@@ -180,8 +217,9 @@ class StepRefresh:
         kmax = max(job.k)
         per_layer = R * hkv * (g + 1) * width * 4
         chunk = max(1, min(len(layers), self.logits_bytes // per_layer))
-        dev = job.stage.device
-        key = (R, tuple(l.index for l in layers), id(job.stage), job.bt.shape[1], width, kmax, sinks,
+        dev = job.bt.device
+        source = "graph" if job.stage is None else id(job.stage)
+        key = (R, tuple(l.index for l in layers), source, job.bt.shape[1], width, kmax, sinks,
                job.cfg.selector, chunk, hkv, g, dev)
         pointers = tuple(kc.data_ptr() for kc, _ in job.kv) + tuple(l.packed.keys.data_ptr() for l in layers)
         entry = self._entries.get(key)
@@ -202,6 +240,7 @@ class StepRefresh:
                 bt=torch.empty_like(job.bt), seq=torch.empty(R, dtype=torch.int32, device=dev),
                 counts=torch.empty(chunk * R, **z), budgets=torch.empty(chunk * R, dtype=torch.long, device=dev),
                 meta=torch.empty(len(layers), 4, R, dtype=torch.int32, device=dev),
+                rows=torch.empty(R, dtype=torch.long, device=dev),
                 logits=self._scratch[:n_logits].view(chunk, R, hkv, g, width),
                 norms=self._scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width),
                 pointers=pointers)
@@ -216,6 +255,8 @@ class StepRefresh:
         copy_to_device(entry.seq, torch.tensor(job.ctx, dtype=torch.int32))
         copy_to_device(entry.counts, torch.tensor([w - lo for w in job.ws] * chunk, dtype=torch.float32))
         copy_to_device(entry.budgets, torch.tensor(job.k * chunk, dtype=torch.long))
+        if job.rows_idx is not None:
+            copy_to_device(entry.rows, torch.tensor(job.rows_idx, dtype=torch.long))
 
         selector = layer0.selector(job.cfg)
         fused = selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame
@@ -230,7 +271,11 @@ class StepRefresh:
                 part = range(c0, min(c0 + chunk, len(layers)))
                 nc = len(part)
                 for i, li in enumerate(part):
-                    slow_step_scores(job.stage[layers[li].index], job.kv[li][0], entry.bt, entry.seq, width, scale,
+                    if job.stage is not None:
+                        q = job.stage[layers[li].index]
+                    else:  # slow_in_graph: the rows' queries from the layer's own stage
+                        q = torch.index_select(layers[li].stage, 0, entry.rows)
+                    slow_step_scores(q, job.kv[li][0], entry.bt, entry.seq, width, scale,
                                      out=(entry.logits[i], entry.norms[i]))
                 lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
                 cnt, bud = entry.counts[: nc * R], entry.budgets[: nc * R]
