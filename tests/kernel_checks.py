@@ -268,6 +268,44 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     return err
 
 
+def refresh_stacks(configs, hq, hkv, d, dtype, device, layers):
+    """One controller per config (dicts), each with ``layers`` GPU-path layers (double-buffered)."""
+    from sfi_vllm.backends.common import SFILayer
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from test_sfi_layer import fake_vllm_config
+
+    ctls, stacks = [], []
+    for over in configs:
+        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+        cap = ctl.cfg.compact_capacity(8192)
+        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+                                packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
+                       for _ in range(layers)])
+        ctls.append(ctl)
+    return ctls, stacks
+
+
+def assert_same_sets(ref_stack, stack, rows: int, values: bool = False) -> None:
+    """Layer by layer, the same published compact sets (host mirrors, device metadata, >99% of the
+    tokens; with ``values`` the V rows too)."""
+    for a_layer, b_layer in zip(ref_stack, stack):
+        a, b = a_layer.packed, b_layer.packed
+        assert a.slot_map == b.slot_map and a.length == b.length and a.window_start == b.window_start
+        assert a.generation == b.generation
+        assert torch.equal(a.slot_map_dev.cpu(), b.slot_map_dev.cpu())
+        for row in range(rows):
+            phys = a.slot_map[row]
+            assert int(b.length_dev[phys]) == a.length[row] and int(b.window_start_dev[phys]) == a.window_start[row]
+            same = (a.published_keys(row) == b.published_keys(row)).all(-1).float().mean().item()
+            assert same > 0.99, f"row {row}: {same:.3f} of the compact set identical"
+            if values:
+                n_tok = a.length[row]
+                same_v = (a.values[phys, :, :n_tok] == b.values[phys, :, :n_tok]).all(-1).float().mean().item()
+                assert same_v > 0.99, f"row {row}: {same_v:.3f} of the compact values identical"
+
+
 def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None):
     """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
@@ -275,26 +313,16 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
     data: on CUDA the first runs eagerly, the second captures, the later ones replay (and must
     read their own inputs). ``chunk_bytes`` small: one layer per Selector launch."""
-    from sfi_vllm.backends.common import SFILayer, make_step
+    from sfi_vllm.backends.common import make_step
     from sfi_vllm.backends.step_refresh import StepRefresh
-    from sfi_vllm.compact import PackedCompactBuffer
-    from sfi_vllm.config import build_config
-    from sfi_vllm.controller import SFIController
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from test_sfi_layer import fake_vllm_config, plan_for
+    from test_sfi_layer import plan_for
 
     n = len(seq_lens)
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
-    ctls, stacks = [], []
-    for mode in ("per_layer", "per_step"):
-        over = {**base, "slow_refresh": mode}
-        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
-        cap = ctl.cfg.compact_capacity(8192)
-        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
-                                packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
-                       for _ in range(layers)])
-        ctls.append(ctl)
+    ctls, stacks = refresh_stacks([{**base, "slow_refresh": m} for m in ("per_layer", "per_step")],
+                                  hq, hkv, d, dtype, device, layers)
     ctls[1]._step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
     g = torch.Generator().manual_seed(11)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
@@ -311,19 +339,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
             ctl.end_step()  # the per-step refresh runs here
             ctl.join_refresh()
         assert not ctls[1].step_refresh.pending
-        for a_layer, b_layer in zip(*stacks):
-            a, b = a_layer.packed, b_layer.packed
-            assert a.slot_map == b.slot_map and a.length == b.length and a.window_start == b.window_start
-            assert a.generation == b.generation
-            assert torch.equal(a.slot_map_dev.cpu(), b.slot_map_dev.cpu())
-            for row in range(n):
-                phys = a.slot_map[row]
-                assert int(b.length_dev[phys]) == a.length[row] and int(b.window_start_dev[phys]) == a.window_start[row]
-                same = (a.published_keys(row) == b.published_keys(row)).all(-1).float().mean().item()
-                assert same > 0.99, f"row {row}: {same:.3f} of the compact set identical"
-                n_tok = a.length[row]
-                same_v = (a.values[phys, :, :n_tok] == b.values[phys, :, :n_tok]).all(-1).float().mean().item()
-                assert same_v > 0.99, f"row {row}: {same_v:.3f} of the compact values identical"
+        assert_same_sets(stacks[0], stacks[1], n, values=True)
     sr = ctls[1].step_refresh
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
@@ -337,27 +353,18 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
     outputs against dense attention. On CUDA the later steps replay the refresh graph."""
     from sfi_vllm.attention_ref import dense_attention
-    from sfi_vllm.backends.common import SFILayer, make_step, uniform_tables
+    from sfi_vllm.backends.common import make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import StepRefresh
-    from sfi_vllm.compact import PackedCompactBuffer
-    from sfi_vllm.config import build_config
-    from sfi_vllm.controller import SFIController
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
-    from test_sfi_layer import fake_vllm_config, plan_for
+    from test_sfi_layer import plan_for
 
     n = len(seq_lens)
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
-    ctls, stacks = [], []
-    for over in ({**base, "slow_refresh": "per_layer"}, {**base, "slow_refresh": "per_step", "slow_in_graph": True}):
-        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
-        cap = ctl.cfg.compact_capacity(8192)
-        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
-                                packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
-                       for _ in range(layers)])
-        ctls.append(ctl)
-    ref_ctl, ctl = ctls
+    (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
+                                             {**base, "slow_refresh": "per_step", "slow_in_graph": True}],
+                                            hq, hkv, d, dtype, device, layers)
     ctl._step_refresh = StepRefresh(capture_after=2)
     assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
     g = torch.Generator().manual_seed(13)
@@ -395,15 +402,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         ctl.end_step()
         ctl.join_refresh()
         assert not ctl.step_refresh.pending
-        for a_layer, b_layer in zip(*stacks):
-            a, b = a_layer.packed, b_layer.packed
-            assert a.slot_map == b.slot_map and a.length == b.length and a.window_start == b.window_start
-            assert torch.equal(a.slot_map_dev.cpu(), b.slot_map_dev.cpu())
-            for row in range(n):
-                phys = a.slot_map[row]
-                assert int(b.length_dev[phys]) == a.length[row]
-                same = (a.published_keys(row) == b.published_keys(row)).all(-1).float().mean().item()
-                assert same > 0.99, f"row {row}: {same:.3f} of the compact set identical"
+        assert_same_sets(stacks[0], stacks[1], n)
     sr = ctl.step_refresh
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
