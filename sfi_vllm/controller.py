@@ -321,7 +321,8 @@ class SFIController:
             return False
         for cfg, ctx in zip(cfgs, contexts):
             k = selected_count(cfg, ctx)
-            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < window_start(cfg, ctx) - min(cfg.sinks, ctx):
+            candidates = window_start(cfg, ctx) - min(cfg.sinks, ctx)
+            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < candidates:
                 return False
         return True
 
