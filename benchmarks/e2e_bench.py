@@ -3,6 +3,7 @@
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192,1x32768,16x16384,8x32768
     python3 benchmarks/e2e_bench.py --out DIR --points 1x131072,6x131072 --tag -128k
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --sfi '{"side_stream": false}' --tag -inline
+    python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --slow-probe --variant graph='{"slow_in_graph": true}'
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
 checkpoint with random normal weights (std 0.02, norms 1.0): not vLLM's dummy loader, whose
@@ -174,12 +175,13 @@ def achievable_ratio(row: dict, layers: int = 36) -> float:
     return t / ((1 - rho) * fast_step + rho * slow_step)
 
 
-def step_times(row: dict) -> dict:
-    """Measured slow- and fast-step times from the SFI run and the slow-step probe:
-    ``t = t_fast + rate x (t_slow - t_fast)`` for both runs, solved for the two unknowns."""
+def step_times(row: dict, name: str = "sfi") -> dict:
+    """Measured slow- and fast-step times from an SFI engine's run and its slow-step probe
+    (``name``: the engine's key prefix): ``t = t_fast + rate x (t_slow - t_fast)`` for both runs,
+    solved for the two unknowns."""
     b = row["batch"]
-    t_dense, t1, t2 = b / row["dense_tok_s"], b / row["sfi_tok_s"], b / row["sfi_probe_tok_s"]
-    r1, r2 = row["sfi_slow_step_rate"], row["sfi_probe_slow_step_rate"]
+    t_dense, t1, t2 = b / row["dense_tok_s"], b / row[f"{name}_tok_s"], b / row[f"{name}_probe_tok_s"]
+    r1, r2 = row[f"{name}_slow_step_rate"], row[f"{name}_probe_slow_step_rate"]
     if r2 - r1 < 0.1:
         return {}
     delta = (t2 - t1) / (r2 - r1)
@@ -205,6 +207,10 @@ def main() -> int:
     ap.add_argument("--sfi", default=None,
                     help="JSON overrides of the SFI engine's settings "
                     "(e.g. '{\"side_stream\": false}' for an A/B run)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="an extra SFI engine with these settings on top of --sfi's, run after the "
+                    "others (repeatable); its figures are keyed NAME_* (NAME_ratio, NAME_slow_step_ms, ...)")
+    ap.add_argument("--name", default=None, help="(internal) key prefix of a variant engine's results")
     ap.add_argument("--modes", default=None,
                     help="comma-separated engines to run (default: dense,sfi); the ratios need "
                     "dense and sfi in the same run")
@@ -215,9 +221,16 @@ def main() -> int:
         extra = json.loads(args.sfi)
         MODES["sfi"] = {**SFI, **extra}
     if args.mode:
-        run(str(model), points, args.new_tokens, MODES[args.mode], args.mode,
+        run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
             probe=args.slow_probe and MODES[args.mode] is not None)
         return 0
+    variants = {}
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        if not name.isidentifier() or name in MODES or not spec:
+            raise SystemExit(f"--variant wants NAME=JSON with a new identifier NAME, got {v!r}")
+        variants[name] = {**json.loads(args.sfi or "{}"), **json.loads(spec)}
+    args.variants = list(variants)
     import subprocess
     import sys
 
@@ -233,9 +246,13 @@ def main() -> int:
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    for mode in modes + list(variants):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        cmd = [sys.executable, __file__, "--out", args.out, "--mode", mode, "--points", args.points,
-               "--new-tokens", str(args.new_tokens)] + (["--sfi", args.sfi] if args.sfi else []) + (
+        sfi_json = json.dumps(variants[mode]) if mode in variants else args.sfi
+        cmd = [sys.executable, __file__, "--out", args.out, "--mode", "sfi" if mode in variants else mode,
+               "--points", args.points, "--new-tokens", str(args.new_tokens)] + (
+                   ["--sfi", sfi_json] if sfi_json else []) + (
+                   ["--name", mode] if mode in variants else []) + (
                    ["--slow-probe"] if args.slow_probe else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -263,6 +280,11 @@ def _write(args, points, rows) -> None:
             row["achievable_ratio"] = round(achievable_ratio(row), 2)
             if "sfi_probe_tok_s" in row:
                 row.update(step_times(row))
+        for name in getattr(args, "variants", []):
+            if "dense_tok_s" in row and f"{name}_tok_s" in row:
+                row[f"{name}_ratio"] = round(row[f"{name}_tok_s"] / row["dense_tok_s"], 2)
+                if f"{name}_probe_tok_s" in row:
+                    row.update({f"{name}_{k}": v for k, v in step_times(row, name).items() if k != "dense_step_ms"})
         out.append(row)
         print(json.dumps(row), flush=True)
     with open(Path(args.out) / f"e2e-h200{args.tag}.jsonl", "w") as f:
