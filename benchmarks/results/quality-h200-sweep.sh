@@ -11,6 +11,10 @@
 # (vLLM 0.26.0 in /tmp/site, /tmp/sfi-env.sh), with .gpu-data carried (the suite files, made on the
 # development machine: sfi-vllm suite --contexts C --samples 300 --out .gpu-data/suite/suite-C.jsonl.xz):
 #   OUT=$OUT bash benchmarks/results/quality-h200-sweep.sh [TIME_LIMIT_S [ABLATION_SAMPLES [FIRST_SAMPLE]]]
+# POLICIES: the policies run on every sample (default the six headline ones; dense always runs, it
+# is the prefix every sample's other requests reuse). POLICIES=dense with ABLATION_SAMPLES > FIRST_SAMPLE
+# runs only the ablations (on samples FIRST_SAMPLE .. ABLATION_SAMPLES-1), pairing against an earlier
+# run's `sfi` after the merge.
 # SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}' (CUDA
 # graphs for the engine; the 2026-11-30 run was eager). TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
 # about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
@@ -24,6 +28,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/q-out}; mkdir -p "$OUT"
 LIMIT=${1:-440}; ABL=${2:-30}; FIRST=${3:-0}
 TAG=quality-h200; [ "$FIRST" = 0 ] || TAG=quality-h200-from$FIRST
+[ -z "${POLICIES:-}" ] || echo "policies: $POLICIES"
 M=/tmp/sfi-smol
 t_start=$(date +%s)
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__, '| gpu', torch.cuda.get_device_name())"
@@ -37,7 +42,7 @@ fi
 S=.gpu-data/suite
 python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
   --contexts 2048,4096,8192 --samples 300 --first-sample "$FIRST" --no-progress \
-  --policies dense,streaming,snapkv,quest,sfi,sfi-pages --retentions 0.1,0.2 \
+  --policies "${POLICIES:-dense,streaming,snapkv,quest,sfi,sfi-pages}" --retentions 0.1,0.2 \
   --ablations sfi-no-prior,sfi-no-nms,sfi-no-exclusivity,sfi-interval,sfi-boundary --ablation-samples "$ABL" \
   --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
   --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
