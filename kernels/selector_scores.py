@@ -49,7 +49,8 @@ def _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power):
     # approximate, and as a reciprocal-multiply (n - 1) / (n - 1) is 1 - 2**-24 for n = 32508 and
     # 130812, which turns the last candidate's log(1 - u) from log(1e-30) = -69 into -16.6. Those
     # are the two frames (32K, 128K) at which the H200 run of 53a24c5 found the fused scores up to
-    # 4.1 away from the torch Selector (prior on only). This fix has not yet run on a GPU.
+    # 4.1 away from the torch Selector (prior on only). With this fix, `check_selector_scores` at
+    # the 128K frame passes on the H200 (kernel_checks cuda, 2026-11-30).
     rest = tl.where(n > 1.0, (n - 1.0 - jf) / tl.maximum(n - 1.0, 1.0), 1.0)
     pos = -beta * u_pow + eta * tl.log(tl.maximum(rest, 1e-30))
     kn = tl.load(KN + lo + j, mask=valid, other=1.0)

@@ -132,7 +132,7 @@ class SFIConfig(BaseModel):
 
     slow_in_graph: bool = Field(
         False,
-        description="GPU kernel path, experimental (not yet run on a GPU): a step whose slow rows "
+        description="GPU kernel path, experimental (checked and measured on an H200 at three points): a step whose slow rows "
         "all take the per-step refresh (slow_refresh, no layer interleaving) runs as a uniform step, "
         "in the full CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, "
         "which also stages every row's query for the refresh after the step",
