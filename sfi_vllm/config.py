@@ -139,7 +139,8 @@ class SFIConfig(BaseModel):
     )
 
     # Observability.
-    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines)")
+    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
+                                     "under tensor/pipeline parallelism the rank-0 worker writes them")
 
     @model_validator(mode="before")
     @classmethod

@@ -84,7 +84,12 @@ class SFIController:
         self.slow_count = [0] * self.num_slots
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
-        self.stats = StatsRegistry(cfg.stats_file)
+        # Under tensor or pipeline parallelism every worker plans the same steps and records the
+        # same per-request statistics; only the rank-0 worker appends them to the stats file, so
+        # a request has one record there whatever the parallel layout.
+        self.rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
+        self.stats = StatsRegistry(cfg.stats_file if self.rank == 0 else None)
+        self._note_tensor_parallel(cfg, vllm_config)
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
@@ -134,6 +139,24 @@ class SFIController:
             len(boundary.skips),
         )
         return boundary
+
+    def _note_tensor_parallel(self, cfg: SFIConfig, vllm_config: Any) -> None:
+        """Say at start-up (rank 0) what tensor parallelism changes: each worker selects for its
+        own KV heads, so cross-head exclusivity spans those only (and is skipped at <= 2)."""
+        parallel = getattr(vllm_config, "parallel_config", None)
+        tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        if tp <= 1 or self.rank != 0 or not cfg.selector.use_exclusivity:
+            return
+        try:
+            heads = int(vllm_config.model_config.get_num_kv_heads(parallel))
+        except Exception:  # noqa: BLE001 - only a log line depends on it
+            heads = None
+        logger.warning(
+            "sfi-vllm: tensor parallel size %d: each worker holds %s KV heads of a layer and selects "
+            "for them alone, so cross-head exclusivity runs among those only%s; selections can differ "
+            "from a single-worker run",
+            tp, heads if heads is not None else "its share of the", " (skipped: <= 2 heads)" if heads is not None and heads <= 2 else "",
+        )
 
     # -- the refresh stream (GPU kernel path) -----------------------------------------------------
     def refresh_stream(self, device: torch.device):

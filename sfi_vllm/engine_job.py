@@ -96,6 +96,12 @@ def _run(job: EngineJob) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(model=job.model, generation_config="vllm", enforce_eager=True,
                                   seed=0)
     kwargs.update(job.engine_kwargs)
+    parallel = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
+    if parallel > 1 and job.attention_backend and (job.requests is not None):
+        # flows and phases read each request's statistics from the in-process controller as it
+        # finishes; with several workers it lives in other processes
+        raise ValueError("an engine job with `requests` (flows, phases) runs on one worker only; "
+                         f"got tensor x pipeline parallel size {parallel}")
     if job.attention_backend:
         kwargs["attention_backend"] = job.attention_backend
     if job.sfi is not None:
@@ -151,16 +157,23 @@ def _run(job: EngineJob) -> dict[str, Any]:
             continue
         results.append(_output_record(o))
     stats = {}
-    from sfi_vllm.controller import current_controller, external_request_id
+    from sfi_vllm.controller import current_controller
 
     ctl = current_controller()
+    by_rank: list[dict[str, Any]] = []
     if ctl is not None and job.attention_backend:
-        for req_id, st in ctl.stats.snapshot().items():
-            stats[external_request_id(req_id)] = st.to_dict()
+        info = _controller_info(ctl)
+    elif job.attention_backend:
+        # the workers are other processes (tensor or pipeline parallelism): ask each of them
+        by_rank = sorted((r for r in llm.collective_rpc(_worker_sfi_info) if r is not None),
+                         key=lambda r: r["rank"])
+        info = by_rank[0] if by_rank else None
+    else:
+        info = None
+    if info is not None:
+        stats = info["stats"]
         stats.update(flow_stats)  # read as each request finished (the registry keeps only the latest)
-        boundary = sorted(ctl.boundary.enders) if ctl.boundary else []
-        skips = sorted(ctl.boundary.skips) if ctl.boundary else []
-        config = ctl.cfg.model_dump()
+        boundary, skips, config = info["boundary_enders"], info["boundary_skips"], info["config"]
     else:
         boundary, skips, config = [], [], None
     import importlib
@@ -171,7 +184,8 @@ def _run(job: EngineJob) -> dict[str, Any]:
     for name in job.collect:
         mod, fn = name.split(":")
         collected[name] = getattr(importlib.import_module(mod), fn)()
-    return dict(outputs=results, sfi_stats=stats, load_s=t_load, generate_s=t_gen, skipped=skipped, flow=flow_info,
+    return dict(outputs=results, sfi_stats=stats, sfi_stats_by_rank=[r["stats"] for r in by_rank],
+                load_s=t_load, generate_s=t_gen, skipped=skipped, flow=flow_info,
                 vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
                 boundary_skips=skips, collected=collected)
 
@@ -184,6 +198,25 @@ def _output_record(o: Any) -> dict[str, Any]:
     if c.logprobs is not None:
         rec["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
     return rec
+
+
+def _controller_info(ctl: Any) -> dict[str, Any]:
+    from sfi_vllm.controller import external_request_id
+
+    return dict(rank=ctl.rank,
+                stats={external_request_id(k): st.to_dict() for k, st in ctl.stats.snapshot().items()},
+                boundary_enders=sorted(ctl.boundary.enders) if ctl.boundary else [],
+                boundary_skips=sorted(ctl.boundary.skips) if ctl.boundary else [],
+                config=ctl.cfg.model_dump())
+
+
+def _worker_sfi_info(worker: Any) -> dict[str, Any] | None:
+    """Run in each worker by ``LLM.collective_rpc``: that worker's SFI statistics and settings
+    (None where no SFI controller was built)."""
+    from sfi_vllm.controller import current_controller
+
+    ctl = current_controller()
+    return _controller_info(ctl) if ctl is not None else None
 
 
 def _run_flow(llm: Any, job: EngineJob, flow_stats: dict[str, Any], flow_info: dict[str, Any]) -> tuple[list, int]:

@@ -6,6 +6,8 @@ tokens/s on 2 cores). ``max_num_batched_tokens=256`` chunks the prefills, so dec
 request share batches with prefill chunks of others (mixed batches).
 """
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.engine
@@ -14,6 +16,11 @@ MAX_TOKENS = 48
 ENGINE = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, dtype="float32")
 FULL_BUDGET = {"sinks": 4, "recent_window": 64, "selected_tokens": 4096, "reuse_budget": 16, "min_gap": 4}
 SMALL_BUDGET = {"sinks": 4, "recent_window": 32, "selected_tokens": 32, "reuse_budget": 12, "min_gap": 3}
+# tensor parallelism: SmolLM2 has 9 query / 3 KV heads, so 3 workers hold one KV head each.
+# Cross-head exclusivity runs among a worker's own heads (skipped at <= 2), so the comparison with
+# one worker turns it off on both sides.
+TP = 3
+NO_EXCLUSIVITY = {**SMALL_BUDGET, "selector": {"use_exclusivity": False}}
 
 
 @pytest.fixture(scope="session")
@@ -32,12 +39,12 @@ def prompts(model_dir):
     return long_prompts(AutoTokenizer.from_pretrained(model_dir), 3, 320, seed=7)
 
 
-def _job(model_dir, prompts, **kw):
+def _job(model_dir, prompts, env=None, **kw):
     from sfi_vllm.engine_job import EngineJob, run_engine_job
 
     engine = dict(ENGINE, **kw.pop("engine", {}))
     return run_engine_job(EngineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS,
-                                    engine_kwargs=engine, **kw), timeout=900)
+                                    engine_kwargs=engine, **kw), env=env, timeout=900)
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +62,20 @@ def sfi_small(model_dir, prompts):
     # block size 16 here (the CPU default is 128, used by the other engines)
     return _job(model_dir, prompts, attention_backend="SFI", sfi=SMALL_BUDGET,
                 engine={"block_size": 16})
+
+
+@pytest.fixture(scope="session")
+def sfi_no_exclusivity(model_dir, prompts):
+    return _job(model_dir, prompts, attention_backend="sfi", sfi=NO_EXCLUSIVITY, engine={"block_size": 16})
+
+
+@pytest.fixture(scope="session")
+def sfi_tensor_parallel(model_dir, prompts):
+    # vLLM CPU binds each worker's OpenMP threads to one entry of a '|'-separated list
+    cores = os.cpu_count() or 1
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(TP))}
+    return _job(model_dir, prompts, env=env, attention_backend="sfi", sfi=NO_EXCLUSIVITY,
+                engine={"block_size": 16, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"})
 
 
 def _stats(result, out):
@@ -117,3 +138,18 @@ def test_small_budget_statistics_match_the_configuration(sfi_small):
         bound = cfg["sinks"] + cfg["selected_tokens"] + cfg["recent_window"] + 16 + cfg["reuse_budget"]
         assert 0 < st["mean_attended_per_fast_step"] <= bound
         assert st["attended_fraction"] < 0.5
+
+
+def test_tensor_parallel_workers_match_one_worker(sfi_no_exclusivity, sfi_tensor_parallel):
+    """Three tensor-parallel workers (one KV head each, their own SFI controllers) generate what
+    one worker does, every worker plans the same slow and fast steps, and the selection ran."""
+    by_rank = sfi_tensor_parallel["sfi_stats_by_rank"]
+    assert len(by_rank) == TP
+    for one, tp in zip(sfi_no_exclusivity["outputs"], sfi_tensor_parallel["outputs"]):
+        assert tp["token_ids"] == one["token_ids"]
+        st_one, st_tp = _stats(sfi_no_exclusivity, one), _stats(sfi_tensor_parallel, tp)
+        assert st_tp["fast_steps"] > 0 and st_tp["slow_steps"] > 0
+        assert st_tp["mean_attended_per_fast_step"] < st_tp["mean_context_per_fast_step"]
+        for key in ("slow_events", "fast_steps", "decode_steps"):
+            assert st_tp[key] == st_one[key], key
+            assert all(rank[tp["request_id"]][key] == st_tp[key] for rank in by_rank), key
