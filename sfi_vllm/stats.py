@@ -4,10 +4,17 @@ and how many tokens the fast steps attended to compared with the context.
 Collected in the worker process. Finished requests are kept (the newest ``KEEP_FINISHED``) for
 in-process readers (`sfi-vllm demo`, tests), logged, and optionally appended as JSON lines to
 ``SFIConfig.stats_file`` so that a server's statistics survive its worker processes.
+
+A worker learns that a request has finished from the next step's scheduler output, so the last
+requests before the engine goes idle or stops are not retired yet. When the worker process exits,
+those still open are appended too, with ``"retired": false`` (their figures cover every step the
+worker ran for them; the request may have finished, been aborted, or still been running). Records
+written as requests retire carry ``"retired": true``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -80,6 +87,8 @@ class StatsRegistry:
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.stats_file = stats_file
+        if stats_file:
+            atexit.register(self.write_open_requests)
 
     def get(self, req_id: str) -> RequestStats:
         st = self.active.get(req_id)
@@ -124,7 +133,19 @@ class StatsRegistry:
         logger.debug("sfi request %s: %s", req_id, st.to_dict())
         if self.stats_file:
             with open(self.stats_file, "a") as f:
-                f.write(json.dumps(st.to_dict()) + "\n")
+                f.write(json.dumps({**st.to_dict(), "retired": True}) + "\n")
+
+    def write_open_requests(self) -> int:
+        """Append the requests not yet retired to the stats file, marked ``"retired": false``, and
+        forget them (run at process exit); returns how many."""
+        with self._lock:
+            pending, self.active = list(self.active.values()), {}
+        if not self.stats_file or not pending:
+            return 0
+        with open(self.stats_file, "a") as f:
+            for st in pending:
+                f.write(json.dumps({**st.to_dict(), "retired": False}) + "\n")
+        return len(pending)
 
     def lookup(self, req_id: str) -> RequestStats | None:
         """One request's statistics, running or finished (None: not seen, or no longer kept)."""

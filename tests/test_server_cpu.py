@@ -70,7 +70,7 @@ def test_chat_completion_over_http(model_dir, tmp_path):
         assert all(replies) and replies[0] == replies[1]
         assert stats_file.exists(), "the SFI worker recorded no finished request"
         first = json.loads(stats_file.read_text().splitlines()[0])
-        assert first["fast_steps"] > 0 and first["slow_steps"] > 0
+        assert first["fast_steps"] > 0 and first["slow_steps"] > 0 and first["retired"] is True
     finally:
         proc.terminate()
         try:
@@ -78,6 +78,11 @@ def test_chat_completion_over_http(model_dir, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    # both requests are in the file once: the second one retired by the server's next step, or
+    # written at the worker's exit ("retired": false) if no step followed it
+    records = [json.loads(x) for x in stats_file.read_text().splitlines()]
+    assert len(records) == 2 and len({r["req_id"] for r in records}) == 2, records
+    assert records[1]["fast_steps"] == first["fast_steps"]
 
 
 def test_bad_sfi_config_fails_at_startup_with_a_clear_error(model_dir, tmp_path):

@@ -1,0 +1,36 @@
+"""The per-request statistics registry and its stats file."""
+
+import json
+
+from sfi_vllm.stats import StatsRegistry
+from sfi_vllm.trigger import SlowReason, StepMode
+
+
+def _run(reg, req_id, fast):
+    reg.record_step(req_id, int(StepMode.PREFILL), 0, 100)
+    reg.record_step(req_id, int(StepMode.SLOW), int(SlowReason.FIRST_DECODE), 101)
+    for i in range(fast):
+        reg.record_step(req_id, int(StepMode.FAST), 0, 102 + i)
+
+
+def test_open_requests_are_written_at_exit_and_only_once(tmp_path):
+    f = tmp_path / "stats.jsonl"
+    reg = StatsRegistry(str(f))
+    _run(reg, "a", 3)
+    _run(reg, "b", 5)
+    reg.finish("a")  # retired by a scheduler output
+    assert [json.loads(x)["req_id"] for x in f.read_text().splitlines()] == ["a"]
+    assert reg.write_open_requests() == 1  # what atexit runs: "b" never retired
+    assert reg.write_open_requests() == 0
+    recs = [json.loads(x) for x in f.read_text().splitlines()]
+    assert [(r["req_id"], r["retired"], r["fast_steps"], r["slow_steps"]) for r in recs] == [
+        ("a", True, 3, 1), ("b", False, 5, 1)]
+    reg.finish("b")  # a late retirement of a request already written does not write it twice
+    assert len(f.read_text().splitlines()) == 2
+
+
+def test_no_file_no_writes(tmp_path):
+    reg = StatsRegistry(None)
+    _run(reg, "a", 2)
+    assert reg.write_open_requests() == 0
+    assert reg.lookup("a") is None  # forgotten once the process is done with it
