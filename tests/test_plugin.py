@@ -58,3 +58,13 @@ def test_version_gate(monkeypatch):
     monkeypatch.setattr(vllm, "__version_tuple__", (0, 30, 1))
     with pytest.raises(UnsupportedVLLMVersion, match="supports vLLM 0.26 .* found vLLM 0.30.1"):
         require_supported_vllm()
+
+
+def test_gpu_kernels_refuse_head_sizes_they_cannot_index():
+    from sfi_vllm.backends.common import check_kernel_head_size
+
+    for ok in (64, 128, 256, 32):
+        check_kernel_head_size(ok)
+    for bad in (80, 96, 112, 8):
+        with pytest.raises(ValueError, match=f"head size.*this model's is {bad}.*kernels"):
+            check_kernel_head_size(bad)

@@ -16,6 +16,7 @@ one decode token, none slow): one fixed-shape launch over all rows that CUDA gra
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +31,8 @@ from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.selector import Selector
 from sfi_vllm.trigger import StepMode
+
+logger = logging.getLogger("sfi_vllm")
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -569,6 +572,26 @@ class SFIBackendMixin:
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == "decoder"  # AttentionType.DECODER (a str enum), without importing vLLM here
+
+
+KERNEL_HEAD_SIZES_TESTED = (64, 128)
+_WARNED_HEAD_SIZES: set[int] = set()
+
+
+def check_kernel_head_size(head_size: int) -> None:
+    """The Triton kernels index a head with ``tl.arange(0, head_size)``, which needs a power of two;
+    raise at start-up for any other size (a model with head size 80 or 96 would otherwise fail to
+    compile at its first decode step), and warn outside the tested sizes."""
+    if head_size < 16 or head_size & (head_size - 1):
+        raise ValueError(
+            f"sfi-vllm: the GPU kernels need a power-of-two head size of at least 16 (tested: "
+            f"{', '.join(map(str, KERNEL_HEAD_SIZES_TESTED))}); this model's is {head_size}. "
+            "`--additional-config '{\"sfi\": {\"kernels\": \"torch\"}}'` runs the torch reference "
+            "path instead (any head size, not fast)")
+    if head_size not in KERNEL_HEAD_SIZES_TESTED and head_size not in _WARNED_HEAD_SIZES:
+        _WARNED_HEAD_SIZES.add(head_size)
+        logger.warning("sfi-vllm: head size %d is a power of two but was not tested with the GPU kernels "
+                       "(tested: %s)", head_size, KERNEL_HEAD_SIZES_TESTED)
 
 
 def check_layer_supported(alibi_slopes, sliding_window, logits_soft_cap, sinks, attn_type,

@@ -60,6 +60,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from sfi_vllm.backends.common import (
+    check_kernel_head_size,
     FastRows,
     SFIBackendMixin,
     SFIBuilderMixin,
@@ -153,6 +154,7 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         cfg = config_from_vllm(vllm_config)
         if cfg.kernels == "torch":
             return None
+        check_kernel_head_size(head_size)
         ctl = self.sfi_controller
         if getattr(ctl, "fast_workspace", None) is None:
             # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
