@@ -251,3 +251,21 @@ def test_engine_max_len_stays_within_the_model(tmp_path):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine_max_len(str(tmp_path), [16384])
     assert engine_max_len(str(tmp_path / "no-such-dir"), [2048]) == 2560
+
+
+def test_top1_half_width_is_over_documents():
+    from sfi_vllm.quality.fidelity import doc_half_width, markdown
+
+    assert doc_half_width([0.9]) is None
+    # two documents at 0.5 and 1.0: sd 0.3536, t(1) 12.706 -> 12.706 * 0.3536 / sqrt(2) = 3.18
+    assert doc_half_width([0.5, 1.0]) == pytest.approx(12.706 * 0.35355339 / 2 ** 0.5, rel=1e-4)
+    refs = [dict(kind="ref", context=64, doc=d, self_top1=[1, 1, 1]) for d in range(3)]
+    forced = [dict(kind="forced", policy="sfi", context=64, doc=d, retention=0.1, prompt_tokens=10,
+                   top1=t, kl=[0.0, 0.1], nll_delta=[0.0, 0.0], fast_steps=2, slow_steps=0, decode_steps=2,
+                   attended_fraction=0.5, raw_check_mismatches=0)
+              for d, t in enumerate(([1, 1], [1, 0], [0, 0]))]
+    (row,) = summarize(refs + forced, tokens=2)
+    # per-document means 1, 0.5, 0: the same mean as pooling the steps, but the sample is 3 documents
+    assert row["top1_agreement"] == 0.5
+    assert row["top1_doc_half_width"] == pytest.approx(4.303 * 0.5 / 3 ** 0.5, abs=1e-4)
+    assert "50.0% ± 124.2" in markdown([row])

@@ -201,6 +201,27 @@ def repeated_steps(ids: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
     return out
 
 
+# two-sided 95% Student-t quantiles for 1-30 degrees of freedom: neither we nor vLLM depend on
+# scipy, and these 30 values are all a per-document interval needs (1.96 beyond)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+
+def _round(x: float | None, nd: int) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def doc_half_width(per_doc: list[float]) -> float | None:
+    """95% half-width of the mean of per-document values (Student t over documents: the steps of
+    one document are correlated, so documents are the sample); None below two documents."""
+    n = len(per_doc)
+    if n < 2:
+        return None
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return t * statistics.stdev(per_doc) / n ** 0.5
+
+
 def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     """One row per policy x context x retention."""
     refs = {(p["context"], p["doc"]): p for p in recs if p["kind"] == "ref"}
@@ -226,6 +247,7 @@ def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
                    prompt_tokens=round(statistics.fmean(p["prompt_tokens"] for p in items), 1),
                    top1_agreement=round(statistics.fmean(top1), 4),
                    top1_min_doc=round(min(statistics.fmean(p["top1"]) for p in items), 4),
+                   top1_doc_half_width=_round(doc_half_width([statistics.fmean(p["top1"]) for p in items]), 4),
                    kl_mean=round(statistics.fmean(kl), 5), kl_p50=round(_pct(kl, 0.5), 5),
                    kl_p90=round(_pct(kl, 0.9), 5), kl_max=round(max(kl), 4), kl_method=KL_METHOD,
                    nll_delta=round(statistics.fmean(nll), 5),
@@ -334,7 +356,9 @@ def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity",
     lines += ["`top1`: share of decode steps where the policy's argmax equals dense's (teacher-forced on",
               "dense's greedy continuation). `KL`: " + KL_METHOD + ".",
               "`nll+`: mean increase of the dense token's negative log-likelihood. `free agree`: free-running",
-              "decode tokens before the first difference from dense (mean over documents).", "",
+              "decode tokens before the first difference from dense (mean over documents).",
+              "`top1` carries the 95% half-width over documents (Student t on the per-document means: a",
+              "document's steps are correlated, so the documents are the sample).", "",
               "`top1 fresh` / `KL fresh`: only the steps whose dense token does not complete an 8-gram already",
               "in the continuation (repetition loops excluded).", "",
               "| context | retention | policy | top1 | KL mean | KL p50 | KL p90 | top1 fresh | KL fresh | nll+ | measured | slow-step rate | free agree | docs x steps |",
@@ -342,7 +366,9 @@ def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity",
     for r in rows:
         fresh = (f"{100 * r['top1_fresh']:.1f}% ({r['n_fresh_steps']}) | {r['kl_mean_fresh']:.4f}"
                  if r.get("top1_fresh") is not None else "- | -")
-        lines.append(f"| {r['context']} | {r['retention']:.2f} | {r['policy']} | {100 * r['top1_agreement']:.1f}% | "
+        hw = r.get("top1_doc_half_width")
+        top1 = f"{100 * r['top1_agreement']:.1f}%" + (f" ± {100 * hw:.1f}" if hw is not None else "")
+        lines.append(f"| {r['context']} | {r['retention']:.2f} | {r['policy']} | {top1} | "
                      f"{r['kl_mean']:.4f} | {r['kl_p50']:.4f} | {r['kl_p90']:.4f} | {fresh} | {r['nll_delta']:.4f} | "
                      f"{r['measured_retention']} | {r['slow_step_rate']} | {r.get('free_agree_tokens', '-')} | "
                      f"{r['n_docs']} x {r['tokens']} |")
