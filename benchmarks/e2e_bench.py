@@ -4,6 +4,7 @@
     python3 benchmarks/e2e_bench.py --out DIR --points 1x131072,6x131072 --tag -128k
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --sfi '{"side_stream": false}' --tag -inline
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --slow-probe --variant graph='{"slow_in_graph": true}'
+    python3 benchmarks/e2e_bench.py --out DIR --points 8x32768 --tp 2 --tag -tp2      # two GPUs (not yet run)
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
 checkpoint with random normal weights (std 0.02, norms 1.0): not vLLM's dummy loader, whose
@@ -14,7 +15,9 @@ call). Before the engines, the same run times each point's attention per layer (
 FA3 decode, the fast-step kernel over SFI's working set, and a slow step's selection work; from
 them ``achievable_ratio`` (see :func:`achievable_ratio`). Writes e2e-h200<tag>.jsonl (batch,
 context, dense_tok_s, sfi_tok_s, ratio, achievable_ratio, slow_step_rate, the attention times) and
-prints it.
+prints it. ``--tp N`` runs every engine with N tensor-parallel workers (vLLM's mp executor); the
+attention times are then still those of one GPU holding every head, so ``achievable_ratio`` is left
+out.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ MODES = {"dense": None, "sfi": SFI}
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
-        probe: bool = False) -> list[dict]:
+        probe: bool = False, tp: int = 1) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
     pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
     slow-step probe) a short warm-up decode compiles what the first decode steps need (Triton
@@ -93,6 +96,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, *(b for b, _ in points)})})
     if sfi is not None:
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
+    if tp > 1:
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(**kw)
     variants = {mode: None} | ({f"{mode}_probe": PROBE} if probe else {})
     out = []
@@ -110,14 +115,14 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, **extra),
                          use_tqdm=False)
             t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
-            before = _stats_totals() if sfi is not None else None
+            before = _stats_totals(llm) if sfi is not None else None
             t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
             decode_tok = batch * (new_tokens - 1)
             res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
                        cached_first_token_s=round(t_pre, 3), generate_s=round(t_full, 3),
                        decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
             if sfi is not None:
-                after = _stats_totals()
+                after = _stats_totals(llm)
                 slow, dec = after[0] - before[0], after[1] - before[1]
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
@@ -126,12 +131,18 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     return out
 
 
-def _stats_totals() -> tuple[int, int, int, int]:
+def _stats_totals(llm) -> tuple[int, int, int, int]:
     from sfi_vllm.controller import current_controller
+    from sfi_vllm.engine_job import _worker_sfi_info
 
-    st = current_controller().stats.snapshot().values()
-    return (sum(s.slow_steps for s in st), sum(s.decode_steps for s in st),
-            sum(s.fast_attended_tokens for s in st), sum(s.fast_context_tokens for s in st))
+    ctl = current_controller()
+    if ctl is not None:
+        st = [s.to_dict() for s in ctl.stats.snapshot().values()]
+    else:  # tensor-parallel workers in other processes: rank 0's statistics
+        ranks = sorted((r for r in llm.collective_rpc(_worker_sfi_info) if r is not None), key=lambda r: r["rank"])
+        st = list(ranks[0]["stats"].values())
+    return (sum(s["slow_steps"] for s in st), sum(s["decode_steps"] for s in st),
+            sum(s["fast_attended_tokens"] for s in st), sum(s["fast_context_tokens"] for s in st))
 
 
 def attention_times(batch: int, context: int) -> dict:
@@ -204,6 +215,7 @@ def main() -> int:
                     "from both runs the slow- and fast-step times follow (slow_step_ms, "
                     "slow_vs_dense, fast_speedup)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per engine (GPUs)")
     ap.add_argument("--sfi", default=None,
                     help="JSON overrides of the SFI engine's settings "
                     "(e.g. '{\"side_stream\": false}' for an A/B run)")
@@ -222,7 +234,7 @@ def main() -> int:
         MODES["sfi"] = {**SFI, **extra}
     if args.mode:
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
-            probe=args.slow_probe and MODES[args.mode] is not None)
+            probe=args.slow_probe and MODES[args.mode] is not None, tp=args.tp)
         return 0
     variants = {}
     for v in args.variant:
@@ -236,7 +248,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).parent))
     make_model(model)
-    rows = {p: dict(batch=p[0], context=p[1], **attention_times(*p)) for p in points}
+    rows = {p: dict(batch=p[0], context=p[1], tp=args.tp, **attention_times(*p)) for p in points}
     if args.sfi:
         for row in rows.values():
             row["sfi_overrides"] = json.loads(args.sfi)
@@ -253,7 +265,7 @@ def main() -> int:
                "--points", args.points, "--new-tokens", str(args.new_tokens)] + (
                    ["--sfi", sfi_json] if sfi_json else []) + (
                    ["--name", mode] if mode in variants else []) + (
-                   ["--slow-probe"] if args.slow_probe else [])
+                   ["--slow-probe"] if args.slow_probe else []) + ["--tp", str(args.tp)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         for r in results:
@@ -277,7 +289,7 @@ def _write(args, points, rows) -> None:
         if "dense_tok_s" in row and "sfi_tok_s" in row:
             row["ratio"] = round(row["sfi_tok_s"] / row["dense_tok_s"], 2)
             row["slow_step_rate"] = row["sfi_slow_step_rate"]
-            row["achievable_ratio"] = round(achievable_ratio(row), 2)
+            row["achievable_ratio"] = round(achievable_ratio(row), 2) if row.get("tp", 1) == 1 else None
             if "sfi_probe_tok_s" in row:
                 row.update(step_times(row))
         for name in getattr(args, "variants", []):
