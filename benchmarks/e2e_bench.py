@@ -116,6 +116,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                          use_tqdm=False)
             t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
             before = _stats_totals(llm) if sfi is not None else None
+            reads0 = _token_reads()
             t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
             decode_tok = batch * (new_tokens - 1)
             res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
@@ -124,11 +125,24 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             if sfi is not None:
                 after = _stats_totals(llm)
                 slow, dec = after[0] - before[0], after[1] - before[1]
+                reads1 = _token_reads()
+                if reads0 is not None and reads1 is not None and reads1[1] > reads0[1]:
+                    # planned steps that read the sampled tokens to the host (a device sync each)
+                    res["token_reads_per_step"] = round((reads1[0] - reads0[0]) / (reads1[1] - reads0[1]), 4)
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
             out.append(res)
             print("RESULT " + json.dumps(res), flush=True)
     return out
+
+
+def _token_reads() -> tuple[int, int] | None:
+    """(host reads of sampled tokens, planned steps) of the in-process SFI controller; None when
+    there is none (dense, or tensor-parallel workers in other processes)."""
+    from sfi_vllm.controller import current_controller
+
+    ctl = current_controller()
+    return None if ctl is None else (ctl.tokens.reads, ctl.tokens.steps)
 
 
 def _stats_totals(llm) -> tuple[int, int, int, int]:
