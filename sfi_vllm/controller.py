@@ -156,11 +156,12 @@ class SFIController:
             heads = int(vllm_config.model_config.get_num_kv_heads(parallel))
         except Exception:  # noqa: BLE001 - only a log line depends on it
             heads = None
+        skipped = " (skipped: <= 2 heads)" if heads is not None and heads <= 2 else ""
         logger.warning(
             "sfi-vllm: tensor parallel size %d: each worker holds %s KV heads of a layer and selects "
             "for them alone, so cross-head exclusivity runs among those only%s; selections can differ "
             "from a single-worker run",
-            tp, heads if heads is not None else "its share of the", " (skipped: <= 2 heads)" if heads is not None and heads <= 2 else "",
+            tp, heads if heads is not None else "its share of the", skipped,
         )
 
     # -- the refresh stream (GPU kernel path) -----------------------------------------------------

@@ -88,7 +88,7 @@ class StatsRegistry:
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.stats_file = stats_file
         if stats_file:
-            atexit.register(self.write_open_requests)
+            atexit.register(self._write_open_at_exit)
 
     def get(self, req_id: str) -> RequestStats:
         st = self.active.get(req_id)
@@ -146,6 +146,12 @@ class StatsRegistry:
             for st in pending:
                 f.write(json.dumps({**st.to_dict(), "retired": False}) + "\n")
         return len(pending)
+
+    def _write_open_at_exit(self) -> None:
+        try:
+            self.write_open_requests()
+        except OSError as e:  # the file's folder may be gone by now: say so, do not raise at exit
+            logger.warning("sfi-vllm: could not write open requests' statistics to %s: %s", self.stats_file, e)
 
     def lookup(self, req_id: str) -> RequestStats | None:
         """One request's statistics, running or finished (None: not seen, or no longer kept)."""

@@ -34,3 +34,11 @@ def test_no_file_no_writes(tmp_path):
     _run(reg, "a", 2)
     assert reg.write_open_requests() == 0
     assert reg.lookup("a") is None  # forgotten once the process is done with it
+
+
+def test_exit_write_to_a_vanished_folder_warns_instead_of_raising(tmp_path, caplog):
+    reg = StatsRegistry(str(tmp_path / "gone" / "stats.jsonl"))
+    _run(reg, "a", 1)
+    with caplog.at_level("WARNING", logger="sfi_vllm"):
+        reg._write_open_at_exit()
+    assert "could not write open requests" in caplog.text
