@@ -4,7 +4,8 @@
 # On the device machine, from the repository root, after ../shared/gpu/README.md's install, with
 # .gpu-data carried (.gpu-data/cache/texts holds the essay corpus; the device has no network):
 #   OUT=$OUT bash benchmarks/results/fidelity-h200.sh [DOCS [TOKENS]]
-# DOCS documents per context (default 12), TOKENS teacher-forced decode steps each (default 256).
+# DOCS documents per context (default 12), TOKENS teacher-forced decode steps each (default 256);
+# CONTEXTS=2048,4096 (env) runs a subset of the contexts (default 2048,4096,8192).
 # One engine, three phases of TOKENS + 1 steps each (dense free-running; dense teacher-forced: the
 # reference; every policy teacher-forced and free-running): 3 x DOCS x 21 requests in the last
 # phase, in ceil(63 DOCS / 512) waves. Writes to $OUT: fidelity-h200.jsonl, fidelity-h200-raw.jsonl.xz,
@@ -13,7 +14,7 @@ set -uo pipefail
 . /tmp/sfi-env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 SFI_VLLM_CACHE=$PWD/.gpu-data/cache
 OUT=${OUT:-/tmp/f-out}; mkdir -p "$OUT"
-DOCS=${1:-12}; T=${2:-256}
+DOCS=${1:-12}; T=${2:-256}; CONTEXTS=${CONTEXTS:-2048,4096,8192}
 M=/tmp/sfi-smol
 t_start=$(date +%s)
 if [ ! -f $M/config.json ]; then
@@ -21,7 +22,7 @@ if [ ! -f $M/config.json ]; then
     > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -30 "$OUT/convert.log"; exit 1; }
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
-python3 -m sfi_vllm.cli fidelity --model $M --contexts 2048,4096,8192 --docs "$DOCS" --tokens "$T" \
+python3 -m sfi_vllm.cli fidelity --model $M --contexts "$CONTEXTS" --docs "$DOCS" --tokens "$T" \
   --policies dense,sfi,streaming,snapkv,quest,sfi-no-nms,sfi-pages --retentions 0.1,0.2 \
   --max-num-seqs 512 --gpu-memory-utilization 0.85 \
   --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \
