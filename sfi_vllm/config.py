@@ -130,12 +130,14 @@ class SFIConfig(BaseModel):
         "per_step while the slow rows hold at most 512K tokens in all",
     )
 
-    slow_in_graph: bool = Field(
-        False,
-        description="GPU kernel path, experimental (checked and measured on an H200 at three points): a step whose slow rows "
-        "all take the per-step refresh (slow_refresh, no layer interleaving) runs as a uniform step, "
-        "in the full CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, "
-        "which also stages every row's query for the refresh after the step",
+    slow_in_graph: bool | None = Field(
+        None,
+        description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
+        "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
+        "CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, which also "
+        "stages every row's query for the refresh after the step. Unset (default): on wherever the "
+        "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
+        "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
     )
 
     # Observability.
@@ -164,10 +166,15 @@ class SFIConfig(BaseModel):
             raise ValueError(
                 f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
             )
-        if self.slow_in_graph and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
+        if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and no layer_interleaved_refresh")
         return self
+
+    @property
+    def graph_slow_enabled(self) -> bool:
+        """Whether slow steps may run inside full CUDA graphs (``slow_in_graph`` resolved)."""
+        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.layer_interleaved_refresh
 
     @property
     def refreshes_selection(self) -> bool:

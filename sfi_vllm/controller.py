@@ -93,6 +93,9 @@ class SFIController:
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
+        # set by a backend whose layers stage their queries in the uniform launch (the CUDA impl,
+        # when ``graph_slow_enabled``): only then may a plan put slow rows in a full graph
+        self.graph_slow_ready = False
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         self._slow_selection = None
         self._step_refresh = None
@@ -346,7 +349,7 @@ class SFIController:
         from sfi_vllm.backends.step_refresh import refresh_per_step
         from sfi_vllm.compact import selected_count, window_start
 
-        if not self.cfg.slow_in_graph or not refresh_per_step(self.cfg.slow_refresh, contexts):
+        if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(self.cfg.slow_refresh, contexts):
             return False
         for cfg, ctx in zip(cfgs, contexts):
             k = selected_count(cfg, ctx)

@@ -366,6 +366,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True}],
                                             hq, hkv, d, dtype, device, layers)
     ctl._step_refresh = StepRefresh(capture_after=2)
+    ctl.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
     assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
     g = torch.Generator().manual_seed(13)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)

@@ -47,6 +47,17 @@ def test_bad_values_name_the_field(bad, needle):
     assert needle in str(e.value)
 
 
+def test_slow_in_graph_resolves_where_the_refresh_allows_it():
+    # unset (the default): on with the per-step refresh, off where the settings exclude it, no error
+    assert build_config({}, use_env=False).graph_slow_enabled
+    assert not build_config({"slow_refresh": "per_layer"}, use_env=False).graph_slow_enabled
+    assert not build_config({"layer_interleaved_refresh": True}, use_env=False).graph_slow_enabled
+    assert not build_config({"slow_in_graph": False}, use_env=False).graph_slow_enabled
+    assert build_config({"slow_in_graph": True, "slow_refresh": "per_step"}, use_env=False).graph_slow_enabled
+    with pytest.raises(SFIConfigError, match="slow_in_graph needs"):
+        build_config({"slow_in_graph": True, "layer_interleaved_refresh": True}, use_env=False)
+
+
 def test_from_vllm_additional_config():
     class V:
         additional_config = {"sfi": {"preset": "quality", "reuse_budget": 20}}

@@ -190,16 +190,26 @@ def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_t
     import numpy as np
 
     cfg = {"reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
-           "selected_tokens": 128, "slow_in_graph": True}
-    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
-    # a's first decode step at 1000 tokens: the Selector runs -> in the graph
-    p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
-    assert p.modes == [StepMode.SLOW] and p.graph_slow and not p.needs_eager
-    # b's context (150) leaves fewer candidates than K: no selection to run -> eager, for the whole step
-    p = ctl.plan_step(["a", "b"], np.array([1, 1]), np.array([1001, 150]), [1000, 150], torch.tensor([7, 1]))
-    assert p.modes == [StepMode.FAST, StepMode.SLOW] and not p.graph_slow and p.needs_eager
-    # the engine default: slow steps stay eager
-    plain = {k: v for k, v in cfg.items() if k != "slow_in_graph"}
-    ctl = SFIController(build_config(plain, use_env=False), fake_vllm_config(plain, max_num_seqs=4))
-    p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
-    assert p.modes == [StepMode.SLOW] and not p.graph_slow and p.needs_eager
+           "selected_tokens": 128}
+
+    def controller(extra, staged=True):
+        c = {**cfg, **extra}
+        ctl = SFIController(build_config(c, use_env=False), fake_vllm_config(c, max_num_seqs=4))
+        ctl.graph_slow_ready = staged  # what the CUDA impl sets when its layers stage queries
+        return ctl
+
+    for extra in ({}, {"slow_in_graph": True}):  # unset (the default) and true plan the same
+        ctl = controller(extra)
+        # a's first decode step at 1000 tokens: the Selector runs -> in the graph
+        p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
+        assert p.modes == [StepMode.SLOW] and p.graph_slow and not p.needs_eager
+        # b's context (150) leaves fewer candidates than K: no selection to run -> eager, for the whole step
+        p = ctl.plan_step(["a", "b"], np.array([1, 1]), np.array([1001, 150]), [1000, 150], torch.tensor([7, 1]))
+        assert p.modes == [StepMode.FAST, StepMode.SLOW] and not p.graph_slow and p.needs_eager
+    # off, excluded by the refresh mode or interleaving, or no backend staging queries (CPU, torch
+    # kernels): slow steps stay eager
+    for extra, staged in (({"slow_in_graph": False}, True), ({"slow_refresh": "per_layer"}, True),
+                          ({"layer_interleaved_refresh": True}, True), ({}, False)):
+        ctl = controller(extra, staged)
+        p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
+        assert p.modes == [StepMode.SLOW] and not p.graph_slow and p.needs_eager, extra

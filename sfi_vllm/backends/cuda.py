@@ -18,7 +18,7 @@ Two kinds of step:
 **Per-step refresh** (``sfi.slow_refresh``: ``per_step``, or ``auto`` for small enough slow rows):
 instead of the above per layer, each layer stages its slow rows' queries and the whole step's
 selection and repack run when the step ends, from one CUDA graph per shape
-(:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (experimental) such a step
+(:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (on by default where it applies) such a step
 can even run as a uniform step: its slow rows attend densely in the fast-step kernel, which copies
 every row's query into the layer's persistent stage, and the refresh is built from the plan.
 
@@ -180,12 +180,13 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         from sfi_vllm.config import config_from_vllm
 
         cfg = config_from_vllm(vllm_config)
-        if cfg.kernels == "torch" or not cfg.slow_in_graph:
+        if cfg.kernels == "torch" or not cfg.graph_slow_enabled:
             return None
         rows = max_uniform_rows(vllm_config)
         dtype = vllm_config.model_config.dtype
         stage = torch.empty(rows, num_heads, head_size, dtype=dtype,
                             device=torch.device("cuda", torch.cuda.current_device()))
+        self.sfi_controller.graph_slow_ready = True
         logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
                          rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)
         return stage
