@@ -3,7 +3,7 @@
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192,1x32768,16x16384,8x32768
     python3 benchmarks/e2e_bench.py --out DIR --points 1x131072,6x131072 --tag -128k
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --sfi '{"side_stream": false}' --tag -inline
-    python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --slow-probe --variant graph='{"slow_in_graph": true}'
+    python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --slow-probe --variant eager_slow='{"slow_in_graph": false}'
     python3 benchmarks/e2e_bench.py --out DIR --points 8x32768 --tp 2 --tag -tp2      # two GPUs (not yet run)
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
