@@ -73,6 +73,12 @@ class StepPlan:
         return any(self.row_needs_eager(i) for i in range(self.num_reqs))
 
 
+# SFIConfig fields that a request's own ``sfi`` overrides cannot change: they size buffers, pick
+# kernels, streams and graphs, or build the trigger's vocabulary when the engine starts.
+REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "stats_file",
+                      "boundary_token_ids", "newline_is_boundary")
+
+
 class SFIController:
     def __init__(self, cfg: SFIConfig, vllm_config: Any) -> None:
         self.cfg = cfg
@@ -84,6 +90,8 @@ class SFIController:
         self.slow_count = [0] * self.num_slots
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
+        # the longest context a request can reach: what a request's compact set is checked against
+        self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         # Under tensor or pipeline parallelism every worker plans the same steps and records the
         # same per-request statistics; only the rank-0 worker appends them to the stats file, so
         # a request has one record there whatever the parallel layout.
@@ -232,8 +240,31 @@ class SFIController:
                 merged["selector"] = {**base["selector"], **overrides["selector"]}
             if overrides.get("selected_fraction") is not None and "selected_tokens" not in overrides:
                 merged.pop("selected_tokens", None)
-            cfg = self._request_cfgs[key] = build_config(merged, use_env=False)
+            cfg = build_config(merged, use_env=False)
+            self._check_request_config(cfg, overrides)
+            self._request_cfgs[key] = cfg
         return cfg
+
+    def _check_request_config(self, cfg: SFIConfig, overrides: dict) -> None:
+        """What a request may not change: the settings the engine fixes at start-up (kernels,
+        streams, graphs, the stats file, the trigger's vocabulary), a compact set larger than the
+        engine's buffers hold, and a boundary trigger the engine has no sentence enders for.
+        Raised as SFIConfigError, so the request runs densely and its statistics say why."""
+        for key in REQUEST_FIXED_KEYS:
+            if key in overrides and getattr(cfg, key) != getattr(self.cfg, key):
+                raise SFIConfigError(f"sfi.{key} is an engine-wide setting; a request cannot change it "
+                                     f"(engine: {getattr(self.cfg, key)!r}, request: {overrides[key]!r}); "
+                                     "set it in the engine's --additional-config")
+        if self.max_model_len:
+            need, have = cfg.compact_capacity(self.max_model_len), self.cfg.compact_capacity(self.max_model_len)
+            if cfg.policy != "dense" and need > have:
+                raise SFIConfigError(f"the request's sinks + K reach {need} tokens at max_model_len "
+                                     f"{self.max_model_len}, more than the engine's compact buffers hold "
+                                     f"({have}: its own sinks + K); raise the engine's sfi.selected_tokens "
+                                     "(or selected_cap) or ask for fewer")
+        if cfg.boundary_trigger and cfg.refreshes_selection and not self.trigger.has_boundary:
+            raise SFIConfigError("sfi.boundary_trigger: the engine has no sentence-ender token ids "
+                                 "(it started with the boundary trigger off and no boundary_token_ids)")
 
     def _slot(self, req_id: str, overrides: dict | None = None) -> int:
         slot = self.slot_of.get(req_id)

@@ -102,3 +102,29 @@ def test_snapkv_selection_differs_from_sfi():
     _, sfi, *_ = _layer_out(policy_overrides("sfi", 0.1, 900))
     a, b = snap.buffer.get(0, 1).positions, sfi.buffer.get(0, 1).positions
     assert a.shape == b.shape and not torch.equal(a, b)
+
+
+def test_request_cannot_change_engine_wide_settings_or_outgrow_the_buffers():
+    from types import SimpleNamespace
+
+    def ctl_with_len(sfi, max_model_len=8192):
+        sfi = {"boundary_token_ids": [7], "min_gap": 0, **sfi}
+        vc = fake_vllm_config(sfi, max_num_seqs=4)
+        vc.model_config = SimpleNamespace(**vc.model_config.__dict__, max_model_len=max_model_len)
+        return SFIController(build_config(sfi, use_env=False), vc)
+
+    ctl = ctl_with_len({"selected_tokens": 1024})
+    for i, (bad, needle) in enumerate((({"side_stream": False}, "sfi.side_stream is an engine-wide setting"),
+                        ({"kernels": "torch"}, "sfi.kernels is an engine-wide setting"),
+                        ({"boundary_token_ids": [1, 2]}, "sfi.boundary_token_ids is an engine-wide"),
+                        ({"selected_tokens": 1025}, "more than the engine's compact buffers hold (1028"))):
+        p = ctl.plan_step([f"r{i}"], np.ones(1, int), np.array([500]), [400], torch.tensor([3]), [bad])
+        assert p.modes == [StepMode.DENSE], bad  # run densely, recorded
+        assert needle in ctl.stats.get(f"r{i}").config_error, ctl.stats.get(f"r{i}").config_error
+    # the same value as the engine's, a smaller K, or a fraction that stays inside: accepted
+    for ok in ({"side_stream": True}, {"selected_tokens": 512}, {"selected_fraction": 0.1, "selected_cap": 1024}):
+        assert ctl.request_config(ok).policy == "sfi"
+    # a boundary trigger the engine has no enders for
+    ctl = ctl_with_len({"boundary_trigger": False, "boundary_token_ids": None})
+    with pytest.raises(Exception, match="no sentence-ender token ids"):
+        ctl.request_config({"boundary_trigger": True})
