@@ -129,6 +129,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                 if reads0 is not None and reads1 is not None and reads1[1] > reads0[1]:
                     # planned steps that read the sampled tokens to the host (a device sync each)
                     res["token_reads_per_step"] = round((reads1[0] - reads0[0]) / (reads1[1] - reads0[1]), 4)
+                    if len(reads1) > 2:  # boundary_read "lagged": reads whose copy was not done yet
+                        res["token_waits_per_step"] = round((reads1[2] - reads0[2]) / (reads1[1] - reads0[1]), 4)
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
             out.append(res)
@@ -136,13 +138,17 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     return out
 
 
-def _token_reads() -> tuple[int, int] | None:
-    """(host reads of sampled tokens, planned steps) of the in-process SFI controller; None when
-    there is none (dense, or tensor-parallel workers in other processes)."""
+def _token_reads() -> tuple[int, ...] | None:
+    """(host reads of sampled tokens, planned steps[, reads that had to wait]) of the in-process
+    SFI controller; None when there is none (dense, or tensor-parallel workers in other processes).
+    The third entry exists with ``boundary_read = "lagged"``."""
     from sfi_vllm.controller import current_controller
 
     ctl = current_controller()
-    return None if ctl is None else (ctl.tokens.reads, ctl.tokens.steps)
+    if ctl is None:
+        return None
+    waits = getattr(ctl.tokens, "waits", None)
+    return (ctl.tokens.reads, ctl.tokens.steps) + (() if waits is None else (waits,))
 
 
 def _stats_totals(llm) -> tuple[int, int, int, int]:

@@ -25,6 +25,7 @@ from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
     BoundaryTokens,
     DeferredTokens,
+    LaggedTokens,
     SlowReason,
     SlowStepTrigger,
     StepMode,
@@ -76,7 +77,7 @@ class StepPlan:
 # SFIConfig fields that a request's own ``sfi`` overrides cannot change: they size buffers, pick
 # kernels, streams and graphs, or build the trigger's vocabulary when the engine starts.
 REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "stats_file",
-                      "boundary_token_ids", "newline_is_boundary")
+                      "boundary_token_ids", "newline_is_boundary", "boundary_read")
 
 
 class SFIController:
@@ -120,7 +121,8 @@ class SFIController:
         self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary, device="cpu")
         # The last sampled tokens live on the GPU; they are read to the host (a device sync) only
         # at steps whose decisions need them (see DeferredTokens).
-        self.tokens = DeferredTokens(self.trigger)
+        self.tokens = (LaggedTokens(self.trigger) if cfg.boundary_read == "lagged"
+                       else DeferredTokens(self.trigger))
         self.boundary = boundary
 
     # -- set-up ---------------------------------------------------------------------------------

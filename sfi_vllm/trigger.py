@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import torch
 
@@ -156,7 +157,7 @@ class SlowStepTrigger:
 
     def step(
         self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor,
-        known: torch.Tensor | None = None,
+        known: torch.Tensor | None = None, allow_unknown: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide and advance one decode step for each row.
 
@@ -167,14 +168,16 @@ class SlowStepTrigger:
         ``known`` (bool per row, default all): rows whose token is not given. Their decision must
         not depend on it (:meth:`needs_token` false); their boundary state is left as it was and
         must be brought up to date with :meth:`replay` before the row's next step that has its
-        token, in token order (:class:`DeferredTokens` does this).
+        token, in token order (:class:`DeferredTokens` does this). With ``allow_unknown`` (the
+        lagged reads of :class:`LaggedTokens`) an unknown row may need its token: its boundary
+        check is skipped for this step.
         """
         slots = slots.to(self.device, torch.long)
         tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
         context_lens = context_lens.to(self.device)
         if known is not None:
             known = known.to(self.device)
-            if bool((self.needs_token(slots, context_lens) & ~known).any()):
+            if not allow_unknown and bool((self.needs_token(slots, context_lens) & ~known).any()):
                 raise RuntimeError("sfi-vllm: a decode row's boundary check needs its token; this is a bug")
 
         fast_since = self.fast_since_slow[slots]
@@ -273,3 +276,64 @@ class DeferredTokens:
                                     torch.tensor([ctxs[j] for j in live]))
         self.kept.clear()
         return flat[at:]
+
+
+class LaggedTokens:
+    """``boundary_read = "lagged"``: the trigger sees each row's input token one decode step late,
+    and no step waits for the step before it.
+
+    At each step the rows' input tokens (on the GPU, produced by the previous step) are copied to
+    pinned host memory with a non-blocking copy, and an event marks its end. At the row's next
+    decode step that copy is used: it was enqueued before the previous step's forward pass, so by
+    the time the host plans the next step it has (almost always) finished, and waiting for its
+    event costs nothing, where an exact read waits for the whole previous step. The trigger is
+    fed the previous input token as if it were this step's, so every token is seen once, in order,
+    one step late: a boundary slow step fires one token after the exact rule would. A row with no
+    earlier decode step in its current generation (a first step, after a reset) has no token this
+    step; its boundary check is skipped (its first step is slow anyway).
+    """
+
+    def __init__(self, trigger: SlowStepTrigger) -> None:
+        self.trigger = trigger
+        # slot -> (generation, host tensor, index in it, event or None): the row's last input token
+        self.last: dict[int, tuple[int, torch.Tensor, int, Any]] = {}
+        self.reads = 0  # event waits (each would be a device sync if its copy were not done)
+        self.waits = 0  # of those, the ones whose copy had not finished when the step was planned
+        self.steps = 0
+
+    def _start_copy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        flat = tokens.reshape(-1)
+        if flat.device.type != "cuda":
+            return flat.to("cpu", torch.long).clone(), None
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def step(self, slots: list[int], generations: list[int], tokens: torch.Tensor, rows: list[int],
+             contexts: list[int], current_generation: list[int], defer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same arguments as :meth:`DeferredTokens.step` (``defer`` is ignored)."""
+        self.steps += 1
+        st, ct = torch.tensor(slots), torch.tensor(contexts)
+        lagged = torch.zeros(len(slots), dtype=torch.long)
+        known = torch.zeros(len(slots), dtype=torch.bool)
+        waited: set[int] = set()
+        for j, (s, g) in enumerate(zip(slots, generations)):
+            prev = self.last.get(s)
+            if prev is None or prev[0] != g or current_generation[s] != g:
+                continue
+            _, host, idx, event = prev
+            if event is not None and id(event) not in waited:
+                self.reads += 1
+                if not event.query():
+                    self.waits += 1
+                event.synchronize()
+                waited.add(id(event))
+            lagged[j] = int(host[idx])
+            known[j] = True
+        mode, reason = self.trigger.step(st, lagged, ct, known=known, allow_unknown=True)
+        host, event = self._start_copy(tokens)
+        for s, g, r in zip(slots, generations, rows):
+            self.last[s] = (g, host, r, event)
+        return mode, reason

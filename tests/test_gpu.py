@@ -47,3 +47,27 @@ def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
 
 # The packed GPU path (score kernel, batched Selector, repack, fast-step tables, uniform launch)
 # against the reference layer: tests/kernel_checks.py:check_packed_layer, run by test_kernels.py.
+
+
+def test_lagged_token_reads_on_cuda_match_the_cpu_and_do_not_wait():
+    """``boundary_read = "lagged"`` with the tokens on the GPU: the asynchronous copies give the
+    decisions of the CPU run, and after a step's work has finished its copy needs no wait."""
+    from sfi_vllm.trigger import BoundaryTokens, LaggedTokens, SlowStepTrigger
+
+    cfg = build_config({"reuse_budget": 20, "min_gap": 2}, use_env=False)
+    bt = BoundaryTokens(frozenset({1}), frozenset({2}))
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(1, 6, (200, 3), generator=g)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        reader = LaggedTokens(SlowStepTrigger(cfg, num_slots=3, vocab_size=8, boundary=bt))
+        modes = []
+        for i in range(stream.shape[0]):
+            toks = stream[i].to(dev)
+            m, r = reader.step([0, 1, 2], [0, 0, 0], toks, [0, 1, 2], [1000 + i] * 3, [0, 0, 0], defer=True)
+            modes.append((m.tolist(), r.tolist()))
+            if dev == "cuda":
+                torch.cuda.synchronize()  # the step's work is done before the next plan
+        out[dev] = (modes, reader)
+    assert out["cpu"][0] == out["cuda"][0]
+    assert out["cuda"][1].reads == stream.shape[0] - 1 and out["cuda"][1].waits == 0

@@ -203,3 +203,67 @@ def test_deferred_tokens_never_read_without_the_boundary_trigger():
     for i in range(50):
         deferred.step([0, 1], [0, 0], torch.tensor([END, WORD]), [0, 1], [1000 + i] * 2, [0, 0], defer=True)
     assert deferred.reads == 0 and deferred.steps == 50
+
+
+def test_lagged_tokens_fire_one_token_after_the_exact_rule():
+    from sfi_vllm.trigger import DeferredTokens, LaggedTokens
+
+    cfg = build_config({"reuse_budget": 50, "min_gap": 3}, use_env=False)
+    toks = [WORD, WORD, WORD, WORD, END, NL, SPACE, WORD, WORD, WORD]
+    out = {}
+    for name, cls in (("exact", DeferredTokens), ("lagged", LaggedTokens)):
+        reader = cls(SlowStepTrigger(cfg, num_slots=1, vocab_size=8, boundary=BOUNDARY))
+        out[name] = [reader.step([0], [0], torch.tensor([t]), [0], [1000 + i], [0], defer=False)
+                     for i, t in enumerate(toks)]
+    slow = {k: [i for i, (m, _) in enumerate(v) if int(m[0]) == StepMode.SLOW] for k, v in out.items()}
+    assert slow == {"exact": [0, 7], "lagged": [0, 8]}
+    assert int(out["lagged"][8][1][0]) == SlowReason.BOUNDARY
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lagged_tokens_feed_every_row_its_previous_token(seed):
+    """LaggedTokens against the trigger fed, at each row's decode step, the input token of that
+    row's previous decode step (none at the first step of a generation): random streams, per-slot
+    configs, rows skipping steps, resets."""
+    from sfi_vllm.trigger import LaggedTokens
+
+    g = torch.Generator().manual_seed(seed)
+    cfgs = [build_config(c, use_env=False) for c in (
+        {"reuse_budget": 12, "min_gap": 4},
+        {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
+        {"reuse_budget": 9, "min_gap": 0},
+        {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
+    )]
+    slots = len(cfgs)
+    ref = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
+    lagged = LaggedTokens(SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY))
+    for s in range(slots):
+        for t in (ref, lagged.trigger):
+            t.configure(s, cfgs[s])
+    generation, context, prev = [0] * slots, [1000] * slots, [None] * slots
+    boundaries = 0
+    for step in range(300):
+        if step % 41 == 17:
+            s = int(torch.randint(0, slots, (1,), generator=g))
+            generation[s] += 1
+            context[s], prev[s] = 1000, None
+            for t in (ref, lagged.trigger):
+                t.reset(torch.tensor([s]))
+        active = [s for s in range(slots) if torch.rand(1, generator=g) < 0.8]
+        if not active:
+            continue
+        rows = sorted(torch.randperm(len(active) + 1, generator=g)[: len(active)].tolist())
+        all_tokens = torch.randint(1, 6, (len(active) + 1,), generator=g)
+        known = torch.tensor([prev[s] is not None for s in active])
+        shifted = torch.tensor([prev[s] or 0 for s in active])
+        m1, r1 = ref.step(torch.tensor(active), shifted, torch.tensor([context[s] for s in active]),
+                          known=known, allow_unknown=True)
+        m2, r2 = lagged.step(active, [generation[s] for s in active], all_tokens, rows,
+                             [context[s] for s in active], generation, defer=True)
+        assert torch.equal(m1, m2) and torch.equal(r1, r2), step
+        boundaries += int((r2 == SlowReason.BOUNDARY).sum())
+        for s, r in zip(active, rows):
+            context[s] += 1
+            prev[s] = int(all_tokens[r])
+    assert boundaries > 5, boundaries
+    assert lagged.waits == 0  # on the CPU the copies are synchronous: nothing to wait for
