@@ -123,6 +123,18 @@ def test_boundary_set_from_a_real_tokenizer():
     assert b.skips == {4}
 
 
+# per-slot trigger settings of the randomised stream tests: boundary modes, gaps, budgets, trigger
+# off, a dense range, Quest
+MIXED_SLOT_CONFIGS = (
+    {"reuse_budget": 12, "min_gap": 4},
+    {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
+    {"reuse_budget": 9, "min_gap": 0},
+    {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
+    {"reuse_budget": 20, "min_gap": 5, "dense_below_context": 1010},
+    {"policy": "quest"},
+)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_deferred_tokens_decide_exactly_as_reading_every_token(seed):
     """DeferredTokens (tokens read only when a decision needs them) against the trigger fed every
@@ -131,14 +143,7 @@ def test_deferred_tokens_decide_exactly_as_reading_every_token(seed):
     from sfi_vllm.trigger import DeferredTokens
 
     g = torch.Generator().manual_seed(seed)
-    cfgs = [build_config(c, use_env=False) for c in (
-        {"reuse_budget": 12, "min_gap": 4},
-        {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
-        {"reuse_budget": 9, "min_gap": 0},
-        {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
-        {"reuse_budget": 20, "min_gap": 5, "dense_below_context": 1010},
-        {"policy": "quest"},
-    )]
+    cfgs = [build_config(c, use_env=False) for c in MIXED_SLOT_CONFIGS]
     slots = 6
     eager = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
     lazy = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
@@ -228,12 +233,7 @@ def test_lagged_tokens_feed_every_row_its_previous_token(seed):
     from sfi_vllm.trigger import LaggedTokens
 
     g = torch.Generator().manual_seed(seed)
-    cfgs = [build_config(c, use_env=False) for c in (
-        {"reuse_budget": 12, "min_gap": 4},
-        {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
-        {"reuse_budget": 9, "min_gap": 0},
-        {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
-    )]
+    cfgs = [build_config(c, use_env=False) for c in MIXED_SLOT_CONFIGS[:4]]  # no dense range, no Quest
     slots = len(cfgs)
     ref = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
     lagged = LaggedTokens(SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY))
