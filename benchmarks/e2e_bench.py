@@ -117,6 +117,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
             before = _stats_totals(llm) if sfi is not None else None
             reads0 = _token_reads()
+            misses0 = _fused_score_misses()
             t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
             decode_tok = batch * (new_tokens - 1)
             res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
@@ -131,6 +132,10 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                     res["token_reads_per_step"] = round((reads1[0] - reads0[0]) / (reads1[1] - reads0[1]), 4)
                     if len(reads1) > 2:  # boundary_read "lagged": reads whose copy was not done yet
                         res["token_waits_per_step"] = round((reads1[2] - reads0[2]) / (reads1[1] - reads0[1]), 4)
+                misses1 = _fused_score_misses()
+                if misses0 is not None and misses1 is not None:
+                    # slow steps in a graph whose rows did not fit the fused score buffers
+                    res["fused_score_misses"] = misses1 - misses0
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
             out.append(res)
@@ -149,6 +154,17 @@ def _token_reads() -> tuple[int, ...] | None:
         return None
     waits = getattr(ctl.tokens, "waits", None)
     return (ctl.tokens.reads, ctl.tokens.steps) + (() if waits is None else (waits,))
+
+
+def _fused_score_misses() -> int | None:
+    """Steps whose slow rows did not fit ``fused_scores_tokens`` (in-process controller with fused
+    scores on; else None)."""
+    from sfi_vllm.controller import current_controller
+
+    ctl = current_controller()
+    if ctl is None or ctl.fused_scores is None:
+        return None
+    return ctl.fused_score_misses
 
 
 def _stats_totals(llm) -> tuple[int, int, int, int]:

@@ -7,6 +7,15 @@ cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``), whe
 compact sets) ``slot`` is first mapped to the physical set it publishes. A row whose slot is negative has no
 compact set and attends densely to ``[0, seq_len)``; a row with ``seq_len == 0`` writes zeros.
 
+Fused slow-step scores (``scores=``): a dense row whose ``score_base`` is not negative also writes
+what :func:`sfi_vllm_kernels.slow_scores.slow_step_scores` would, from the keys it reads anyway:
+its logits ``q . k * scale`` over ``[0, width)`` (``-inf`` from ``seq_len`` on) and the key norms
+(zero from ``seq_len`` on), so a slow step inside a full CUDA graph needs no second pass over the
+keys. Layout, in units of one token's values (``Hq`` logits or ``Hkv`` norms): layer ``l``'s frame
+of the row starts at ``score_base + l * score_layer_stride`` and holds ``(Hkv, G, width)`` logits
+and ``(Hkv, width)`` norms, so the rows of one group of slow rows read as one ``(layers, rows, Hkv,
+G, width)`` tensor (:class:`sfi_vllm.backends.step_refresh.StepRefresh`).
+
 Everything per row and per slot is read from device tensors, so one launch over a fixed number of
 rows (a CUDA-graph batch, padding rows included) serves any mix of fast and dense rows: the
 captured graph reads the step's row -> slot table and the layer's per-slot lengths and window
@@ -20,6 +29,8 @@ log-sum-exp; a second kernel merges the splits exactly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +39,7 @@ import triton.language as tl
 @triton.jit
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
+    SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer,
     stride_qb, stride_qh, stride_stb, stride_sth,
     stride_cks, stride_ckh, stride_ckn,
     stride_cvs, stride_cvh, stride_cvn,
@@ -39,11 +51,13 @@ def _fast_decode_split(
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(ROW_SLOT + b)
+    slot_raw = slot
     has_set = slot >= 0
     slot = tl.maximum(slot, 0)
     if HAS_MAP:  # logical slot -> its published physical set (double-buffered compact sets)
@@ -72,6 +86,14 @@ def _fast_decode_split(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2
+    if HAS_SCORES:  # this row's frame in the fused scores (a negative base: not scored)
+        sc_base = tl.load(SC_BASE + b).to(tl.int64)
+        scored = (sc_base >= 0) & (slot_raw < 0)
+        sc_tok = tl.maximum(sc_base, 0) + layer * tl.load(SC_STRIDE + b).to(tl.int64)
+        sc_w32 = tl.load(SC_WIDTH + b)
+        sc_w = sc_w32.to(tl.int64)
+        lg_row = LOGITS + sc_tok * (G * tl.num_programs(1)) + (h * G + offs_g).to(tl.int64)[:, None] * sc_w
+        nm_row = NORMS + sc_tok * tl.num_programs(1) + h * sc_w
 
     # 1) the compact buffer: virtual keys [lo, min(hi, nc))
     c_hi = tl.minimum(hi, nc)
@@ -102,6 +124,11 @@ def _fast_decode_split(
                     + offs_d[None, :], mask=nmask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         qk = tl.where(nmask[None, :], qk, float("-inf"))
+        if HAS_SCORES:
+            if scored:  # a dense row: window position == key position
+                tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
+                kf = k.to(tl.float32)
+                tl.store(nm_row + pos, tl.sqrt(tl.sum(kf * kf, 1)), mask=nmask)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -110,6 +137,15 @@ def _fast_decode_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+
+    if HAS_SCORES:
+        if scored & (s == NUM_SPLITS - 1):  # the frame past the row's keys
+            for start in range(seq, sc_w32, BLOCK_N):
+                n = start + offs_n
+                tmask = n < sc_w
+                tl.store(lg_row + n[None, :], tl.full([G_PAD, BLOCK_N], float("-inf"), tl.float32),
+                         mask=gmask[:, None] & tmask[None, :])
+                tl.store(nm_row + n, tl.zeros([BLOCK_N], tl.float32), mask=tmask)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -138,6 +174,18 @@ def _merge_splits(ACC, LSE, OUT, stride_ab, stride_ah, stride_as, stride_lb, str
                   mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+class ScoreFrames(NamedTuple):
+    """Where the fused slow-step scores go (see the module doc): per row ``base``, ``layer_stride``
+    and ``width`` (int32, ``base < 0``: not scored), the flat float32 ``logits`` and ``norms``
+    buffers, and the launching layer's index."""
+    base: torch.Tensor
+    layer_stride: torch.Tensor
+    width: torch.Tensor
+    logits: torch.Tensor
+    norms: torch.Tensor
+    layer: int
 
 
 def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs: int = 528) -> int:
@@ -176,6 +224,7 @@ def fast_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_map: torch.Tensor | None = None,  # (slots,) int32: slot -> physical set; None: identity
     stage: torch.Tensor | None = None,  # (>= B, Hq, D): receives a copy of q (query staging)
+    scores: ScoreFrames | None = None,  # fused slow-step scores of the scored dense rows
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -184,7 +233,8 @@ def fast_decode_attention(
     :func:`make_workspace`) and every launch reads only device tensors. With ``slot_map`` a
     row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start). With
     ``stage`` the kernel also copies ``q`` there (the per-step refresh of slow rows that run inside
-    a full CUDA graph reads it)."""
+    a full CUDA graph reads it). With ``scores`` the scored dense rows also write their slow-step
+    logits and key norms (module doc); the caller sizes the buffers for the frames it assigns."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -195,10 +245,15 @@ def fast_decode_attention(
         assert t.stride(-1) == 1
     if stage is not None:
         assert stage.shape[0] >= B and stage.shape[1:] == q.shape[1:] and stage.stride(-1) == 1
+    if scores is not None:
+        assert scores.logits.dtype == torch.float32 and scores.norms.dtype == torch.float32
+        assert scores.logits.is_contiguous() and scores.norms.is_contiguous()
+    sc = scores if scores is not None else (row_slot, row_slot, row_slot, acc, acc, 0)
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
         row_min_window_start, seq_lens, compact_len, window_start,
         slot_map if slot_map is not None else row_slot, acc, lse, stage if stage is not None else q,
+        *sc,
         q.stride(0), q.stride(1), *((stage.stride(0), stage.stride(1)) if stage is not None else (0, 0)),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
         compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),
@@ -210,7 +265,7 @@ def fast_decode_attention(
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
-        HAS_STAGE=stage is not None,
+        HAS_STAGE=stage is not None, HAS_SCORES=scores is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](

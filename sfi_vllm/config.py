@@ -147,6 +147,16 @@ class SFIConfig(BaseModel):
         "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
         "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
     )
+    fused_scores_tokens: int = Field(
+        0, ge=0,
+        description="GPU kernel path, slow steps inside full CUDA graphs (slow_in_graph): the "
+        "fast-step kernel that attends densely for the slow rows also writes their logits and key "
+        "norms, so the refresh after the step reads no key twice. The value sizes the buffer, "
+        "allocated at start-up: frame tokens of one step's slow rows (each row's context rounded "
+        "up to 2048); a step that needs more scores them in a second pass, as without this "
+        "setting (logged). Costs tokens x layers x (query heads + KV heads) x 4 bytes. "
+        "0 (default): off",
+    )
 
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
@@ -177,6 +187,10 @@ class SFIConfig(BaseModel):
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and no layer_interleaved_refresh")
+        if self.fused_scores_tokens and (self.kernels == "torch" or not self.graph_slow_enabled):
+            raise ValueError("fused_scores_tokens needs slow steps inside full CUDA graphs: kernels "
+                             "auto or triton, slow_in_graph not false, slow_refresh per_step or auto, "
+                             "no layer_interleaved_refresh")
         return self
 
     @property

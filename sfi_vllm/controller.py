@@ -59,6 +59,9 @@ class StepPlan:
     # the slow rows run inside a full CUDA graph (``slow_in_graph``): dense in the fast-step kernel,
     # re-selected from staged queries after the step
     graph_slow: bool = False
+    # fused scores (``fused_scores_tokens``) of a graph_slow plan: each group of slow rows'
+    # (offset, frame width) in the controller's FusedScoreBuffers; None: scored in a second pass
+    score_layout: dict | None = None
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
@@ -76,8 +79,8 @@ class StepPlan:
 
 # SFIConfig fields that a request's own ``sfi`` overrides cannot change: they size buffers, pick
 # kernels, streams and graphs, or build the trigger's vocabulary when the engine starts.
-REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "stats_file",
-                      "boundary_token_ids", "newline_is_boundary", "boundary_read")
+REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
+                      "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read")
 
 
 class SFIController:
@@ -106,6 +109,10 @@ class SFIController:
         # when ``graph_slow_enabled``): only then may a plan put slow rows in a full graph
         self.graph_slow_ready = False
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
+        # fused slow-step scores of every layer (FusedScoreBuffers, set by the CUDA impl when
+        # ``fused_scores_tokens`` > 0); steps whose slow rows did not fit are counted
+        self.fused_scores = None
+        self.fused_score_misses = 0
         self._slow_selection = None
         self._step_refresh = None
         self._refresh_stream = None
@@ -372,6 +379,8 @@ class SFIController:
             graph_slow=bool(slow) and self._slow_rows_fit_graph([self.slot_cfg[slots[i]] for i in slow],
                                                                 [context[i] for i in slow]),
         )
+        if plan.graph_slow and self.fused_scores is not None:
+            plan.score_layout = self._score_layout(plan)
         self.current_plan = plan
         self.planned_steps += 1
         return plan
@@ -390,6 +399,20 @@ class SFIController:
             if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < candidates:
                 return False
         return True
+
+    def _score_layout(self, plan: StepPlan) -> dict | None:
+        from sfi_vllm.backends.step_refresh import graph_slow_groups, plan_score_frames
+
+        assert plan.context is not None
+        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
+        if layout is None:
+            if self.fused_score_misses == 0:
+                logger.warning(
+                    "sfi-vllm: a slow step's rows need more frame tokens than fused_scores_tokens (%d) "
+                    "holds; such steps score their slow rows in a second pass (counted in "
+                    "fused_score_misses)", self.fused_scores.tokens)
+            self.fused_score_misses += 1
+        return layout
 
     def note_graph_slow(self, plan: StepPlan, block_table: torch.Tensor) -> None:
         """The metadata builder made a uniform step of a plan with slow rows: they are refreshed

@@ -100,6 +100,62 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
     return worst
 
 
+def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
+                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5):
+    """The fast-step kernel's fused slow-step scores: rows 1 and 2 are dense and scored (one
+    group of two rows, frame width past both contexts, written as layer 1 of 2), row 0 has a
+    compact set and a frame base (ignored: only dense rows are scored), row 3 is dense and not
+    scored, row 4 is padding. Their logits and key norms against the gathered keys; nothing
+    written outside the two frames; the attention output the same as without scores."""
+    from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
+
+    g = torch.Generator().manual_seed(seed)
+    B, G = len(seq_lens), hq // hkv
+    nb, bt = block_tables([max(s, 1) for s in seq_lens], page, 5, g, device)
+    paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
+    ck = torch.randn(2, hkv, 64, d, generator=g).to(device, dtype)
+    cv = torch.randn(2, hkv, 64, d, generator=g).to(device, dtype)
+    nc = torch.tensor([50, 0], dtype=torch.int32, device=device)
+    ws = torch.tensor([seq_lens[0] - 100, 0], dtype=torch.int32, device=device)
+    row_slot = torch.tensor([0, -1, -1, -1, -1], dtype=torch.int32, device=device)
+    zeros = torch.zeros(B, dtype=torch.int32, device=device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(B, hq, d, generator=g).to(device, dtype)
+    scale = d ** -0.5
+    width, layers, rows = max(seq_lens[1:3]) + 37, 2, 2
+    lead = 3  # tokens of frame space before the group's (another group's, say)
+    base = torch.tensor([lead, lead, lead + width, -1, -1], dtype=torch.int32, device=device)
+    stride = torch.full((B,), rows * width, dtype=torch.int32, device=device)
+    wid = torch.full((B,), width, dtype=torch.int32, device=device)
+    tokens = lead + layers * rows * width + 5
+    worst = 0.0
+    for ns in splits:
+        plain = torch.full_like(q, float("nan"))
+        fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=plain,
+                              workspace=make_workspace(B, hq, d, ns, device))
+        logits = torch.full((tokens * hq,), float("nan"), device=device)
+        norms = torch.full((tokens * hkv,), float("nan"), device=device)
+        out = torch.full_like(q, float("nan"))
+        fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=out,
+                              workspace=make_workspace(B, hq, d, ns, device),
+                              scores=ScoreFrames(base, stride, wid, logits, norms, 1))
+        assert torch.equal(out, plain), "the scores changed the attention output"
+        lg = logits[(lead + rows * width) * hq:(lead + 2 * rows * width) * hq].view(rows, hkv, G, width)
+        nm = norms[(lead + rows * width) * hkv:(lead + 2 * rows * width) * hkv].view(rows, hkv, width)
+        for j, b in enumerate((1, 2)):
+            n = seq_lens[b]
+            keys, _ = paged.gather_range(bt[b], 0, n, want_values=False)
+            ref = torch.einsum("hgd,hnd->hgn", q[b].float().view(hkv, G, d), keys.float()) * scale
+            assert torch.all(lg[j, ..., n:] == float("-inf")) and torch.all(nm[j, :, n:] == 0)
+            worst = max(worst, (lg[j, ..., :n].cpu() - ref.cpu()).abs().max().item())
+            assert torch.allclose(nm[j, :, :n], keys.float().norm(dim=-1), rtol=1e-3, atol=1e-3)
+        written = torch.zeros(tokens, dtype=torch.bool)
+        written[lead + rows * width:lead + 2 * rows * width] = True
+        assert torch.isnan(logits.view(tokens, hq)[~written]).all(), "logits written outside the frames"
+        assert torch.isnan(norms.view(tokens, hkv)[~written]).all(), "norms written outside the frames"
+    return worst
+
+
 def check_slow_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 77, 1290), seed=2):
     """Logits -> probabilities and key norms against ``attention_probs`` on the gathered keys."""
@@ -347,14 +403,16 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15):
+                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
-    outputs against dense attention. On CUDA the later steps replay the refresh graph."""
+    outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
+    (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
+    the refresh reads them instead of running the score kernel."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import make_step, uniform_tables
-    from sfi_vllm.backends.step_refresh import StepRefresh
+    from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
     from sfi_vllm.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
@@ -362,11 +420,16 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
     n = len(seq_lens)
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    # fused: room for the step's frames (each context rounded up to 2048) and no more
+    tokens = sum(-(-c // 2048) * 2048 for c in seq_lens) if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
-                                             {**base, "slow_refresh": "per_step", "slow_in_graph": True}],
+                                             {**base, "slow_refresh": "per_step", "slow_in_graph": True,
+                                              "fused_scores_tokens": tokens}],
                                             hq, hkv, d, dtype, device, layers)
     ctl._step_refresh = StepRefresh(capture_after=2)
     ctl.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
+    if fused:  # as the CUDA impl allocates them
+        ctl.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
     assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
     g = torch.Generator().manual_seed(13)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)
@@ -374,7 +437,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     for layer, p in zip(stacks[1], pageds):
         layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
         layer.kv = p.nhd_views()
-    persistent = torch.zeros(2, n, dtype=torch.int32, device=device)
+    persistent = torch.zeros(5 if fused else 2, n, dtype=torch.int32, device=device)
     ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
     for _ in range(steps):
         for p in pageds:
@@ -390,6 +453,11 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         plan = plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens))
         plan.graph_slow = True
         assert not plan.needs_eager
+        if fused:
+            plan.score_layout = ctl._score_layout(plan)
+            assert plan.score_layout is not None
+            ctl.fused_scores.logits.fill_(float("nan"))  # what the refresh reads must be this step's
+            ctl.fused_scores.norms.fill_(float("nan"))
         tables = uniform_tables(plan, cam, persistent, ctl)
         for li, layer in enumerate(stacks[1]):
             out = torch.full_like(qs[li], float("nan"))
@@ -405,6 +473,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert not ctl.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n)
     sr = ctl.step_refresh
+    assert any(key[2] == ("fused", 0) for key in sr._entries) == fused, "fused scores used" 
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
     return 0.0
@@ -659,6 +728,8 @@ def run_all(device: str) -> None:
             assert err < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, err)
             err = check_slow_scores("cpu", dtype, hq=4, hkv=2, d=32, seq_lens=(150, 33))
             assert err < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, err)
+            err = check_fused_scores("cpu", dtype, hq=4, hkv=2, d=32, seq_lens=(200, 90, 130, 70, 0))
+            assert err < (1e-4 if dtype == torch.float32 else 2e-2), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
             check_repack_selected("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), k=(70, 20))
         check_double_buffer("cpu", torch.float32, hkv=2, d=32)
@@ -669,6 +740,8 @@ def run_all(device: str) -> None:
         check_step_refresh("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2,
                            steps=2)
         check_graph_slow("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2, steps=1)
+        check_graph_slow("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2, steps=1,
+                         fused=True)
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
@@ -681,6 +754,8 @@ def run_all(device: str) -> None:
             assert err < 1e-2, (dtype, hq, d, err)
             err = check_slow_scores(device, dtype, hq=hq, hkv=hkv, d=d)
             assert err < 2e-3, (dtype, hq, d, err)
+            err = check_fused_scores(device, dtype, hq=hq, hkv=hkv, d=d)
+            assert err < 5e-2, (dtype, hq, d, err)
             check_repack(device, dtype, hkv=hkv, d=d)
             check_repack_selected(device, dtype, hkv=hkv, d=d)
             for policy in ("sfi", "streaming", "snapkv"):
@@ -690,6 +765,7 @@ def run_all(device: str) -> None:
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d)
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d, chunk_bytes=1)
             check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d)
+            check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d, fused=True)
     check_double_buffer(device)
     check_refresh_ordering()
     check_refresh_ordering(refresh="per_step")

@@ -39,6 +39,9 @@ def test_fraction_budget_with_floor_and_cap():
         ({"selected_floor": 10, "selected_cap": 5, "selected_fraction": 0.1}, "selected_floor"),
         ({"slow_refresh": "per_token"}, "sfi.slow_refresh"),
         ({"slow_in_graph": True, "slow_refresh": "per_layer"}, "slow_in_graph needs the per-step refresh"),
+        ({"fused_scores_tokens": 8192, "slow_in_graph": False}, "fused_scores_tokens needs slow steps inside"),
+        ({"fused_scores_tokens": 8192, "kernels": "torch"}, "fused_scores_tokens needs slow steps inside"),
+        ({"fused_scores_tokens": -1}, "sfi.fused_scores_tokens"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):

@@ -71,6 +71,8 @@ class FastRows:
     seq_lens: torch.Tensor  # int32
     block_table: torch.Tensor  # int32
     token: torch.Tensor | None = None
+    # fused slow-step scores (uniform steps): per row frame base, layer stride and width (int32)
+    scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def subset_common_metadata(cam: Any, rows: list[int], seq_lens_host: list[int] | None = None) -> tuple[Any, torch.Tensor]:
@@ -185,13 +187,21 @@ def record_fast_rows(controller: SFIController, plan: StepPlan, rows: list[int],
 def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
                    controller: SFIController) -> FastRows:
     """Tables of a uniform step (every row one decode token) for all ``cam.num_reqs`` rows,
-    written into ``persistent (2, max_rows)`` so that a captured CUDA graph reads this step's."""
+    written into ``persistent (2, max_rows)`` so that a captured CUDA graph reads this step's;
+    ``persistent (5, max_rows)`` also holds the fused scores' frames (``FastRows.scores``)."""
+    from sfi_vllm.backends.step_refresh import score_row_tables
+
     n = cam.num_reqs
-    copy_to_device(persistent[:, :n], fast_row_tables(plan, list(range(n))))
+    host = fast_row_tables(plan, list(range(n)))
+    fused = persistent.shape[0] >= 5
+    if fused:
+        host = torch.cat([host, score_row_tables(plan, n)])
+    copy_to_device(persistent[:host.shape[0], :n], host)
     if plan is not None and controller.buffers:
         record_fast_rows(controller, plan, plan.rows(StepMode.FAST), controller.buffers[0])
     return FastRows(rows=n, slot=persistent[0], min_window_start=persistent[1],
-                    seq_lens=cam.seq_lens, block_table=cam.block_table_tensor)
+                    seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
+                    scores=(persistent[2], persistent[3], persistent[4]) if fused else None)
 
 
 def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> None:
@@ -502,7 +512,7 @@ class SFILayer:
         """Every row one decode token (fast rows read their compact set, the others attend
         densely): one launch with fixed shapes that reads only device tables, so it can be
         captured in a full CUDA graph and replayed with the tables of later steps."""
-        from sfi_vllm_kernels.fast_decode import fast_decode_attention, uniform_num_splits
+        from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, uniform_num_splits
 
         buf = self.packed
         assert buf is not None
@@ -516,11 +526,18 @@ class SFILayer:
             b, self.num_heads, splits, self.head_size)
         lse = workspace[acc.numel(): need].view(b, self.num_heads, splits)
         key_cache, value_cache = paged.nhd_views()
+        scores = None
+        fused = self.controller.fused_scores
+        if fused is not None and tables.scores is not None:
+            if self.index >= fused.layers:
+                raise RuntimeError(f"sfi-vllm: layer {self.index} has no fused score frames "
+                                   f"(allocated for {fused.layers} layers); this is a bug")
+            scores = ScoreFrames(*tables.scores, fused.logits, fused.norms, self.index)
         fast_decode_attention(
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
             self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
-            stage=self.stage)
+            stage=self.stage, scores=scores)
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k

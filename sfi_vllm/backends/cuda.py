@@ -21,6 +21,9 @@ selection and repack run when the step ends, from one CUDA graph per shape
 (:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (on by default where it applies) such a step
 can even run as a uniform step: its slow rows attend densely in the fast-step kernel, which copies
 every row's query into the layer's persistent stage, and the refresh is built from the plan.
+With ``sfi.fused_scores_tokens`` that kernel also writes the slow rows' logits and key norms
+(:class:`sfi_vllm.backends.step_refresh.FusedScoreBuffers`, allocated with the first layer), and
+the refresh skips the score kernel.
 
 **Second stream** (``sfi.side_stream``, on by default): a slow row's selection and repack are
 enqueued on a second CUDA stream after the layer's dense attention (the stream first waits for
@@ -120,8 +123,9 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._uniform_ok = self.controller.cfg.kernels != "torch"
         rows = max_uniform_rows(vllm_config)
-        # persistent (captured) row tables: compact-buffer slot and earliest window start per row
-        self._row_tables = torch.zeros(2, rows, dtype=torch.int32, device=device)
+        # persistent (captured) row tables: compact-buffer slot and earliest window start per row,
+        # and the fused scores' frame base, layer stride and width (sfi.fused_scores_tokens)
+        self._row_tables = torch.zeros(5, rows, dtype=torch.int32, device=device)
 
     def _build_uniform(self, meta, cam, plan) -> bool:
         if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):
@@ -189,7 +193,22 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         self.sfi_controller.graph_slow_ready = True
         logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
                          rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)
+        if cfg.fused_scores_tokens and self.sfi_controller.fused_scores is None:
+            self._allocate_fused_scores(vllm_config, cfg.fused_scores_tokens, num_heads)
         return stage
+
+    def _allocate_fused_scores(self, vllm_config, tokens: int, num_heads: int) -> None:
+        """Every layer's fused slow-step scores, allocated with the first layer (so vLLM's
+        profiling counts them before it sizes the KV cache)."""
+        from sfi_vllm.backends.step_refresh import FusedScoreBuffers
+
+        layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+        kv_heads = self.num_kv_heads
+        nbytes = FusedScoreBuffers.bytes_for(tokens, layers, num_heads, kv_heads)
+        logger.info("sfi-vllm: fused slow-step scores take %d tokens x %d layers x (%d + %d heads) x 4 "
+                    "bytes = %.1f MiB", tokens, layers, num_heads, kv_heads, nbytes / 2**20)
+        self.sfi_controller.fused_scores = FusedScoreBuffers.allocate(
+            tokens, layers, num_heads, kv_heads, torch.device("cuda", torch.cuda.current_device()))
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)

@@ -24,6 +24,12 @@ per-layer path. Fast steps of the next step read the new sets because the metada
 the refresh stream first, as with the per-layer path. What is lost: the per-layer path overlaps
 the selection with the next layers' work; here it overlaps only with the step's tail (final norm,
 logits, sampling) and the next step's host preparation.
+
+**Fused scores** (``sfi.fused_scores_tokens``, slow steps inside full CUDA graphs only): the
+fast-step kernel that attends densely for the slow rows also writes their logits and key norms
+into :class:`FusedScoreBuffers`, laid out per group of slow rows as ``(layers, rows, Hkv, G,
+width)`` (:func:`plan_score_frames`), and the refresh skips the score kernel: the keys are read
+once per slow step instead of twice. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -57,6 +63,79 @@ LOGITS_BYTES = 256 << 20
 AUTO_MAX_TOKENS = 1 << 19
 
 
+def graph_slow_groups(plan) -> dict[tuple, list[int]]:
+    """The slow rows of a plan whose step runs as a uniform step, grouped as their refreshes run:
+    by Selector setting and sink count, in row order."""
+    from sfi_vllm.trigger import StepMode
+
+    assert plan.context is not None
+    groups: dict[tuple, list[int]] = {}
+    for r in plan.rows(StepMode.SLOW):
+        cfg, ctx = plan.configs[r], plan.context[r]
+        groups.setdefault((cfg.selector, min(cfg.sinks, ctx)), []).append(r)
+    return groups
+
+
+@dataclass
+class FusedScoreBuffers:
+    """The fused slow-step scores of every layer (``sfi.fused_scores_tokens``): flat float32
+    logits (``tokens x layers x Hq``) and key norms (``tokens x layers x Hkv``), written by the
+    fast-step kernel (:class:`sfi_vllm_kernels.fast_decode.ScoreFrames`)."""
+    logits: torch.Tensor
+    norms: torch.Tensor
+    tokens: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+
+    @staticmethod
+    def bytes_for(tokens: int, layers: int, q_heads: int, kv_heads: int) -> int:
+        return tokens * layers * (q_heads + kv_heads) * 4
+
+    @classmethod
+    def allocate(cls, tokens: int, layers: int, q_heads: int, kv_heads: int, device) -> "FusedScoreBuffers":
+        return cls(torch.empty(tokens * layers * q_heads, dtype=torch.float32, device=device),
+                   torch.empty(tokens * layers * kv_heads, dtype=torch.float32, device=device),
+                   tokens, layers, q_heads, kv_heads)
+
+    def views(self, offset: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's frames at ``offset`` (frame tokens): logits ``(layers, rows, Hkv, G, width)``
+        and norms ``(layers, rows, Hkv, width)``."""
+        n = self.layers * rows * width
+        g = self.q_heads // self.kv_heads
+        return (self.logits[offset * self.q_heads:(offset + n) * self.q_heads].view(
+                    self.layers, rows, self.kv_heads, g, width),
+                self.norms[offset * self.kv_heads:(offset + n) * self.kv_heads].view(
+                    self.layers, rows, self.kv_heads, width))
+
+
+def plan_score_frames(groups: dict[tuple, list[int]], context: list[int],
+                      buffers: FusedScoreBuffers) -> dict[tuple, tuple[int, int]] | None:
+    """Each group's ``(offset, width)`` in the fused score buffers, or None if the groups' frames
+    (every row's context rounded up to the Selector's frame width, for every layer) do not fit."""
+    layout, offset = {}, 0
+    for key, rows in groups.items():
+        width = SlowStepSelection.frame_width(max(context[r] for r in rows))
+        layout[key] = (offset, width)
+        offset += buffers.layers * len(rows) * width
+    return layout if offset <= buffers.tokens * buffers.layers else None
+
+
+def score_row_tables(plan, rows: int) -> torch.Tensor:
+    """``(3, rows)`` int32 host table of the fast-step kernel's fused scores: each row's frame
+    base, layer stride and width (base ``-1``: the row is not scored)."""
+    out = torch.zeros(3, rows, dtype=torch.int32)
+    out[0] = -1
+    layout = getattr(plan, "score_layout", None) if plan is not None else None
+    if not layout:
+        return out
+    for key, group in graph_slow_groups(plan).items():
+        offset, width = layout[key]
+        for j, r in enumerate(group):
+            out[:, r] = torch.tensor([offset + j * width, len(group) * width, width], dtype=torch.int32)
+    return out
+
+
 def refresh_per_step(mode: str, contexts: list[int]) -> bool:
     """Whether a group of slow rows with these contexts takes the per-step refresh."""
     if mode == "auto":
@@ -81,6 +160,10 @@ class _Job:
     stage: torch.Tensor | None  # (layers, R, Hq, D): the queries staged by record()
     # slow_in_graph: the rows' indices in each layer's own stage (written by the uniform launch)
     rows_idx: list[int] | None = None
+    # fused scores: the group's logits (layers, R, Hkv, G, W) and norms (layers, R, Hkv, W), views
+    # of the controller's FusedScoreBuffers written by the uniform launch; and their offset
+    scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    score_offset: int | None = None
     layers: list = field(default_factory=list)  # SFILayer, in record order
     kv: list = field(default_factory=list)  # (key_cache, value_cache) per recorded layer
 
@@ -93,8 +176,8 @@ class _Entry:
     budgets: torch.Tensor  # (C x R,) int64
     meta: torch.Tensor  # (layers, 4, R) int32: repack_selected's meta per layer
     rows: torch.Tensor  # (R,) int64: rows_idx on the device (slow_in_graph jobs)
-    logits: torch.Tensor  # (C, R, Hkv, G, W) float32
-    norms: torch.Tensor  # (C, R, Hkv, W) float32
+    logits: torch.Tensor  # (C, R, Hkv, G, W) float32 scratch; fused: (layers, R, Hkv, G, W), in place
+    norms: torch.Tensor  # (C, R, Hkv, W) float32; fused: (layers, R, Hkv, W)
     pointers: tuple  # the caches and buffers captured (a graph is only valid for the same ones)
     graph: Any = None
 
@@ -159,7 +242,6 @@ class StepRefresh:
         batch is token ``b``."""
         from sfi_vllm.compact import selected_count, window_start
         from sfi_vllm.host_copy import tensor_to_device
-        from sfi_vllm.trigger import StepMode
 
         layers = list(controller.layers)
         missing = [l.index for l in layers if l.stage is None or l.kv is None or l.packed is None]
@@ -167,12 +249,14 @@ class StepRefresh:
             raise RuntimeError(f"sfi-vllm: slow_in_graph: layers {missing[:4]} have no query stage or KV views "
                                "(their impl did not set them up); this is a bug")
         assert plan.context is not None
-        groups: dict = {}
-        for r in plan.rows(StepMode.SLOW):
-            cfg, ctx = plan.configs[r], plan.context[r]
-            groups.setdefault((cfg.selector, min(cfg.sinks, ctx)), []).append(r)
+        layout = plan.score_layout or {}
+        buffers = controller.fused_scores
+        if layout and (buffers is None or buffers.layers != len(layers)
+                       or [l.index for l in layers] != list(range(len(layers)))):
+            raise RuntimeError("sfi-vllm: fused scores planned for layers the buffers do not hold; this is a bug")
         dev = block_table.device
-        for (sel, sinks), rows in groups.items():
+        for (sel, sinks), rows in graph_slow_groups(plan).items():
+            frame = layout.get((sel, sinks))
             rows_dev = tensor_to_device(rows, dev)
             ctx = [plan.context[r] for r in rows]
             self._pending[("graph", tuple(rows), sinks, sel)] = _Job(
@@ -181,7 +265,9 @@ class StepRefresh:
                 k=[selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)],
                 slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
                 tok=rows_dev, bt=block_table[rows_dev].to(torch.int32), stage=None, rows_idx=list(rows),
-                layers=layers, kv=[l.kv for l in layers])
+                layers=layers, kv=[l.kv for l in layers],
+                scores=None if frame is None else buffers.views(frame[0], len(rows), frame[1]),
+                score_offset=None if frame is None else frame[0])
         if dev.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event()
@@ -218,7 +304,9 @@ class StepRefresh:
         per_layer = R * hkv * (g + 1) * width * 4
         chunk = max(1, min(len(layers), self.logits_bytes // per_layer))
         dev = job.bt.device
-        source = "graph" if job.stage is None else id(job.stage)
+        source = ("fused", job.score_offset) if job.scores is not None else "graph" if job.stage is None else id(job.stage)
+        if job.scores is not None:
+            assert job.scores[0].shape[1:] == (R, hkv, g, width), "fused score frames"
         key = (R, tuple(l.index for l in layers), source, job.bt.shape[1], width, kmax, sinks,
                job.cfg.selector, chunk, hkv, g, dev)
         pointers = tuple(kc.data_ptr() for kc, _ in job.kv) + tuple(l.packed.keys.data_ptr() for l in layers)
@@ -230,20 +318,23 @@ class StepRefresh:
             if len(self._entries) >= self.max_graphs:
                 self._drop(list(self._entries)[: len(self._entries) - self.max_graphs + 1])
             n_logits, n_norms = chunk * R * hkv * g * width, chunk * R * hkv * width
-            if self._scratch is None or self._scratch.numel() < n_logits + n_norms or self._scratch.device != dev:
+            if job.scores is not None:  # the uniform launch wrote them: no scratch
+                logits, norms = job.scores
+            elif self._scratch is None or self._scratch.numel() < n_logits + n_norms or self._scratch.device != dev:
                 # the graphs captured so far hold the old scratch's address: drop them with it
                 self._drop(list(self._entries))
                 self._scratch = None
                 self._scratch = torch.empty(n_logits + n_norms, dtype=torch.float32, device=dev)
+            if job.scores is None:
+                logits = self._scratch[:n_logits].view(chunk, R, hkv, g, width)
+                norms = self._scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width)
             z = dict(dtype=torch.float32, device=dev)
             entry = self._entries[key] = _Entry(
                 bt=torch.empty_like(job.bt), seq=torch.empty(R, dtype=torch.int32, device=dev),
                 counts=torch.empty(chunk * R, **z), budgets=torch.empty(chunk * R, dtype=torch.long, device=dev),
                 meta=torch.empty(len(layers), 4, R, dtype=torch.int32, device=dev),
                 rows=torch.empty(R, dtype=torch.long, device=dev),
-                logits=self._scratch[:n_logits].view(chunk, R, hkv, g, width),
-                norms=self._scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width),
-                pointers=pointers)
+                logits=logits, norms=norms, pointers=pointers)
         self._entries.move_to_end(key)
 
         # this step's inputs, into the entry's static tensors
@@ -270,14 +361,17 @@ class StepRefresh:
             for c0 in range(0, len(layers), chunk):
                 part = range(c0, min(c0 + chunk, len(layers)))
                 nc = len(part)
-                for i, li in enumerate(part):
-                    if job.stage is not None:
-                        q = job.stage[layers[li].index]
-                    else:  # slow_in_graph: the rows' queries from the layer's own stage
-                        q = torch.index_select(layers[li].stage, 0, entry.rows)
-                    slow_step_scores(q, job.kv[li][0], entry.bt, entry.seq, width, scale,
-                                     out=(entry.logits[i], entry.norms[i]))
-                lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
+                if job.scores is not None:  # fused: every layer's scores are in place
+                    lg, nm = entry.logits[c0:c0 + nc].flatten(0, 1), entry.norms[c0:c0 + nc].flatten(0, 1)
+                else:
+                    for i, li in enumerate(part):
+                        if job.stage is not None:
+                            q = job.stage[layers[li].index]
+                        else:  # slow_in_graph: the rows' queries from the layer's own stage
+                            q = torch.index_select(layers[li].stage, 0, entry.rows)
+                        slow_step_scores(q, job.kv[li][0], entry.bt, entry.seq, width, scale,
+                                         out=(entry.logits[i], entry.norms[i]))
+                    lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
                 cnt, bud = entry.counts[: nc * R], entry.budgets[: nc * R]
                 if fused:
                     sel = top_k_positions(selector_scores(selector.cfg, lg, nm, lo, cnt), lo, bud, kmax)
