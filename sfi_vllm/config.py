@@ -157,6 +157,13 @@ class SFIConfig(BaseModel):
         "setting (logged). Costs tokens x layers x (query heads + KV heads) x 4 bytes. "
         "0 (default): off",
     )
+    selector_top_k: Literal["torch", "triton"] = Field(
+        "torch",
+        description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
+        "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
+        "score by radix select and writes the chosen positions in order (triton; ties go to the "
+        "lower positions)",
+    )
 
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "

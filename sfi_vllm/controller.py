@@ -80,7 +80,7 @@ class StepPlan:
 # SFIConfig fields that a request's own ``sfi`` overrides cannot change: they size buffers, pick
 # kernels, streams and graphs, or build the trigger's vocabulary when the engine starts.
 REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
-                      "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read")
+                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read")
 
 
 class SFIController:
@@ -218,7 +218,7 @@ class SFIController:
         if self._slow_selection is None:
             from sfi_vllm.backends.selection import SlowStepSelection
 
-            self._slow_selection = SlowStepSelection()
+            self._slow_selection = SlowStepSelection(top_k=self.cfg.selector_top_k)
         return self._slow_selection
 
     @property

@@ -156,6 +156,31 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     return worst
 
 
+def check_top_k(device="cuda", rows=5, hkv=8, width=35000, lo=4, kmax=2048, block=1024, seed=6):
+    """The top-K kernel against :func:`sfi_vllm.selector.top_k_positions` on scores without ties
+    (negative and positive values, rows with ``-inf`` past their candidates, budgets below
+    ``kmax``), and on scores with many ties against the kernel's documented rule (the lower
+    positions win ties), written out with a stable sort."""
+    from sfi_vllm.selector import top_k_positions
+    from sfi_vllm_kernels.top_k import top_k_positions as top_k_kernel
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, hkv, width, generator=g) * torch.logspace(-3, 2, rows)[:, None, None]
+    for b in range(rows):
+        scores[b, :, width - 37 * (b + 1) * (b + 1):] = float("-inf")
+    k = torch.tensor([kmax, kmax // 2, 1, kmax - 3, 7][:rows])
+    scores, k = scores.to(device), k.to(device)
+    got = top_k_kernel(scores, lo, k, kmax, block=block)
+    assert torch.equal(got, top_k_positions(scores, lo, k, kmax)), "top-K without ties"
+    tied = (scores * 2).round().clamp(-3, 3)  # seven distinct values (and -inf)
+    got = top_k_kernel(tied, lo, k, kmax, block=block)
+    order = torch.sort(tied.cpu(), dim=-1, descending=True, stable=True).indices[..., :kmax]
+    keep = torch.arange(kmax)[None, None, :] < k.cpu()[:, None, None]
+    want = torch.sort(torch.where(keep, order, width), dim=-1).values + lo
+    assert torch.equal(got.cpu(), want), "top-K with ties: the lower positions win"
+    return 0.0
+
+
 def check_slow_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 77, 1290), seed=2):
     """Logits -> probabilities and key norms against ``attention_probs`` on the gathered keys."""
@@ -403,13 +428,15 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False):
+                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
+                     top_k="torch"):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
     outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
     (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
-    the refresh reads them instead of running the score kernel."""
+    the refresh reads them instead of running the score kernel. ``top_k``: ``selector_top_k`` of
+    the graph step's engine (the reference's is torch's)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
@@ -424,7 +451,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     tokens = sum(-(-c // 2048) * 2048 for c in seq_lens) if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
-                                              "fused_scores_tokens": tokens}],
+                                              "fused_scores_tokens": tokens, "selector_top_k": top_k}],
                                             hq, hkv, d, dtype, device, layers)
     ctl._step_refresh = StepRefresh(capture_after=2)
     ctl.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
@@ -732,6 +759,7 @@ def run_all(device: str) -> None:
             assert err < (1e-4 if dtype == torch.float32 else 2e-2), (dtype, err)
             check_repack("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), counts=(70, 20))
             check_repack_selected("cpu", dtype, hkv=2, d=32, seq_lens=(300, 90), k=(70, 20))
+        check_top_k("cpu", rows=5, hkv=2, width=700, kmax=64, block=128)
         check_double_buffer("cpu", torch.float32, hkv=2, d=32)
         err = check_quest_layer("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(900, 400, 1300, 500, 60))
         assert err < 1e-4, err
@@ -741,13 +769,15 @@ def run_all(device: str) -> None:
                            steps=2)
         check_graph_slow("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2, steps=1)
         check_graph_slow("cpu", torch.float32, hq=6, hkv=3, d=32, seq_lens=(300, 150, 420, 200), layers=2, steps=1,
-                         fused=True)
+                         fused=True, top_k="triton")
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
                               block=64, variants=[{}, {"use_prior": False, "use_nms": False}, {"page_size": 16}])
         print("kernel checks passed (interpreter)")
         return
+    check_top_k(device)
+    check_top_k(device, rows=4, hkv=8, width=131072, block=2048)
     for dtype in (torch.bfloat16, torch.float16):
         for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
             err = check_fast_decode(device, dtype, hq=hq, hkv=hkv, d=d)
@@ -766,6 +796,7 @@ def run_all(device: str) -> None:
             check_step_refresh(device, dtype, hq=hq, hkv=hkv, d=d, chunk_bytes=1)
             check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d)
             check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d, fused=True)
+            check_graph_slow(device, dtype, hq=hq, hkv=hkv, d=d, top_k="triton")
     check_double_buffer(device)
     check_refresh_ordering()
     check_refresh_ordering(refresh="per_step")

@@ -42,6 +42,7 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": 8192, "slow_in_graph": False}, "fused_scores_tokens needs slow steps inside"),
         ({"fused_scores_tokens": 8192, "kernels": "torch"}, "fused_scores_tokens needs slow steps inside"),
         ({"fused_scores_tokens": -1}, "sfi.fused_scores_tokens"),
+        ({"selector_top_k": "cub"}, "sfi.selector_top_k"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):

@@ -35,6 +35,18 @@ import torch
 from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
+def top_k_function(kind: str):
+    """``sfi.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
+    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm_kernels.top_k``)."""
+    if kind == "triton":
+        from sfi_vllm_kernels.top_k import top_k_positions as kernel
+
+        return kernel
+    if kind != "torch":
+        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
+    return top_k_positions
+
+
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
 CAPTURE_AFTER = 3
@@ -63,8 +75,9 @@ class _Entry:
 
 class SlowStepSelection:
     def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME,
-                 capture_after: int = CAPTURE_AFTER) -> None:
+                 capture_after: int = CAPTURE_AFTER, top_k: str = "torch") -> None:
         self.max_graphs = max_graphs
+        self.top_k = top_k_function(top_k)  # sfi.selector_top_k
         self.fused_max_frame = fused_max_frame
         self.capture_after = capture_after
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -112,7 +125,7 @@ class SlowStepSelection:
         def body() -> torch.Tensor:
             if selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame:  # fused kernels
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
-                return top_k_positions(scores, lo, entry.budgets, kmax)
+                return self.top_k(scores, lo, entry.budgets, kmax)
             # evidence smoothing or a frame past the bound: the torch Selector
             probs = torch.softmax(entry.logits, dim=-1)
             return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)

@@ -46,9 +46,10 @@ from sfi_vllm.backends.selection import (
     MAX_GRAPHS,
     SlowStepSelection,
     capture_graph,
+    top_k_function,
 )
 from sfi_vllm.host_copy import copy_to_device
-from sfi_vllm.selector import select_batched_static, top_k_positions
+from sfi_vllm.selector import select_batched_static
 
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
@@ -351,6 +352,7 @@ class StepRefresh:
 
         selector = layer0.selector(job.cfg)
         fused = selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame
+        top_k = top_k_function(job.cfg.selector_top_k)  # an engine-wide setting
         scale = layer0.scale
 
         def body() -> None:
@@ -374,7 +376,7 @@ class StepRefresh:
                     lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
                 cnt, bud = entry.counts[: nc * R], entry.budgets[: nc * R]
                 if fused:
-                    sel = top_k_positions(selector_scores(selector.cfg, lg, nm, lo, cnt), lo, bud, kmax)
+                    sel = top_k(selector_scores(selector.cfg, lg, nm, lo, cnt), lo, bud, kmax)
                 else:
                     sel = select_batched_static(selector, torch.softmax(lg, dim=-1), nm, lo, cnt, bud, kmax)
                 sel = sel.reshape(nc, R, hkv, kmax)
