@@ -53,7 +53,7 @@ def _top_k(S, K, OUT, stride_sb, stride_sh, stride_ob, stride_oh, width, lo, kma
     prefix = tl.zeros([], tl.int64)
     need = k
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # p is a compile-time constant (static_range), so is shift
         hist = tl.zeros([256], tl.int32)
         for start in range(0, width, BLOCK):
             j = start + offs
@@ -85,7 +85,7 @@ def _top_k(S, K, OUT, stride_sb, stride_sh, stride_ob, stride_oh, width, lo, kma
         tie_rank = ties_seen + tl.cumsum(eq.to(tl.int32), 0) - eq.to(tl.int32)
         pick = valid & ((key > thr) | (eq & (tie_rank < need)))
         slot = taken + tl.cumsum(pick.to(tl.int32), 0) - pick.to(tl.int32)
-        tl.store(out + slot, (j + lo).to(tl.int64), mask=pick)
+        tl.store(out + slot, (j + lo).to(tl.int64), mask=pick & (slot < k))
         taken += tl.sum(pick.to(tl.int32), 0)
         ties_seen += tl.sum(eq.to(tl.int32), 0)
     for start in range(k, kmax, BLOCK):  # padding past the row's K
