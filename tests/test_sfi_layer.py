@@ -210,6 +210,17 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     assert logits[1, 1].data_ptr() == ctl.fused_scores.logits[(4096 + 8192) * hq:].data_ptr()
     assert norms[2, 0].data_ptr() == ctl.fused_scores.norms[(0 + 2 * 8192) * hkv:].data_ptr()
     assert ctl.fused_score_misses == 0
+    # the uniform step's persistent tables: every padding row past the batch loses a stale base
+    from types import SimpleNamespace
+
+    from sfi_vllm.backends.common import uniform_tables
+
+    persistent = torch.full((5, 4), 7, dtype=torch.int32)
+    cam = SimpleNamespace(num_reqs=2, seq_lens=torch.tensor([1001, 2501]), block_table_tensor=torch.zeros(2, 1))
+    tables = uniform_tables(p, cam, persistent, ctl)
+    assert persistent.tolist() == [[-1, -1, 7, 7], [0, 0, 7, 7], [0, 4096, -1, -1], [8192, 8192, 0, 0],
+                                   [4096, 4096, 0, 0]]
+    assert tables.scores is not None and tables.scores[0].data_ptr() == persistent[2].data_ptr()
     # d and e (1001 and 4201 tokens) need two frames of 6144 tokens: more than the buffers hold,
     # so the step scores them in a second pass, and the miss is counted
     p = ctl.plan_step(["d", "e"], np.array([1, 1]), np.array([1000, 4200]), [1000, 4200], torch.tensor([1, 1]))

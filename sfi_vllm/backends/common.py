@@ -192,11 +192,12 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
     from sfi_vllm.backends.step_refresh import score_row_tables
 
     n = cam.num_reqs
-    host = fast_row_tables(plan, list(range(n)))
+    copy_to_device(persistent[:2, :n], fast_row_tables(plan, list(range(n))))
     fused = persistent.shape[0] >= 5
     if fused:
-        host = torch.cat([host, score_row_tables(plan, n)])
-    copy_to_device(persistent[:host.shape[0], :n], host)
+        # every row, the CUDA-graph padding past n included: a padding row keeping an earlier
+        # step's frame base would write over this step's frames
+        copy_to_device(persistent[2:5], score_row_tables(plan, persistent.shape[1]))
     if plan is not None and controller.buffers:
         record_fast_rows(controller, plan, plan.rows(StepMode.FAST), controller.buffers[0])
     return FastRows(rows=n, slot=persistent[0], min_window_start=persistent[1],
