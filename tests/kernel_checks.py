@@ -447,8 +447,9 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
     n = len(seq_lens)
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
-    # fused: room for the step's frames (each context rounded up to 2048) and no more
-    tokens = sum(-(-c // 2048) * 2048 for c in seq_lens) if fused else 0
+    # fused: room for the step's frames (one group: every row gets the largest context rounded up
+    # to 2048) and no more
+    tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens, "selector_top_k": top_k}],
