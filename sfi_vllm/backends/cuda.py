@@ -124,8 +124,9 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         self._uniform_ok = self.controller.cfg.kernels != "torch"
         rows = max_uniform_rows(vllm_config)
         # persistent (captured) row tables: compact-buffer slot and earliest window start per row,
-        # and the fused scores' frame base, layer stride and width (sfi.fused_scores_tokens)
-        self._row_tables = torch.zeros(5, rows, dtype=torch.int32, device=device)
+        # and with sfi.fused_scores_tokens the fused scores' frame base, layer stride and width
+        tables = 5 if self.controller.cfg.fused_scores_tokens else 2
+        self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
 
     def _build_uniform(self, meta, cam, plan) -> bool:
         if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):
