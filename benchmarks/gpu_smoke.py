@@ -113,6 +113,12 @@ def main() -> int:
         "sfi_small_graphs_slow_eager": EngineJob(**base, attention_backend="sfi",
                                                  sfi={**SMALL, "slow_in_graph": False},
                                                  engine_kwargs={**eng, "enforce_eager": False}),
+        # the opt-in fused scores and Triton top-K (fifth session of 2026-11-30): room for every
+        # row's frame (8 rows x 4096); the logits come from another kernel, so the agreement with
+        # sfi_small_graphs is reported, not required
+        "sfi_small_graphs_fused": EngineJob(**base, attention_backend="sfi",
+                                            sfi={**SMALL, "fused_scores_tokens": 8 * 4096, "selector_top_k": "triton"},
+                                            engine_kwargs={**eng, "enforce_eager": False}),
     }
     if args.runs:
         wanted = {"dense_eager", *args.runs.split(",")}
@@ -152,7 +158,8 @@ def main() -> int:
         if name == "sfi_small_graphs_inline" and "error" not in results.get("sfi_small_graphs", {"error": 1}):
             entry["same_tokens_as_side_stream"] = [e["token_ids"] == s["token_ids"] for e, s in
                                                    zip(results["sfi_small_graphs"]["outputs"], r["outputs"])]
-        if name == "sfi_small_graphs_slow_eager" and "error" not in results.get("sfi_small_graphs", {"error": 1}):
+        if name in ("sfi_small_graphs_slow_eager", "sfi_small_graphs_fused") and "error" not in results.get(
+                "sfi_small_graphs", {"error": 1}):
             entry["agree_with_graphs"] = [common_prefix_len(e["token_ids"], s["token_ids"]) for e, s in
                                           zip(results["sfi_small_graphs"]["outputs"], r["outputs"])]
         entry["sample"] = r["outputs"][0]["text"][:300]
