@@ -37,6 +37,42 @@ import triton.language as tl
 
 
 @triton.jit
+def _window_tiles(q, m_i, l_i, acc, w_lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row, gmask,
+                  qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                  WRITE: tl.constexpr):
+    """The recent-window tiles of one program, read in place from the paged cache, folded into its
+    online softmax. ``WRITE``: every tile also writes its logits and key norms (the caller has
+    branched on the row being scored, so the loop without stores stays as it was)."""
+    for start in range(w_lo, hi, BLOCK_N):
+        n = start + offs_n
+        nmask = n < hi
+        pos = ws + n - nc
+        blk = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        off = (pos % PAGE).to(tl.int64)
+        k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
+                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        if WRITE:  # a scored dense row (window position == key position): its logits and key norms
+            tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
+            # the norms from a second load of the tile (an L1/L2 hit): reducing the tile loaded for
+            # tl.dot made the kernel 2.5x slower on the H200 (fused_scores_bench.py, 2026-11-30)
+            k2 = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
+                         + offs_d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+            tl.store(nm_row + pos, tl.sqrt(tl.sum(k2 * k2, 1)), mask=nmask)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vt + h * stride_vh
+                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer,
@@ -114,29 +150,27 @@ def _fast_decode_split(
         m_i = m_new
 
     # 2) the recent window, read in place: virtual keys [max(lo, nc), hi) -> ws + (j - nc)
-    for start in range(tl.maximum(lo, nc), hi, BLOCK_N):
-        n = start + offs_n
-        nmask = n < hi
-        pos = ws + n - nc
-        blk = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
-        off = (pos % PAGE).to(tl.int64)
-        k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
-                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        if HAS_SCORES:
-            if scored:  # a dense row: window position == key position
-                tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
-                kf = k.to(tl.float32)
-                tl.store(nm_row + pos, tl.sqrt(tl.sum(kf * kf, 1)), mask=nmask)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vt + h * stride_vh
-                    + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    if not HAS_SCORES:  # placeholders: the loop without stores never reads them
+        lg_row = LOGITS + offs_g[:, None]
+        nm_row = NORMS
+    if HAS_SCORES:
+        # one branch per program, above the loop: a branch or a predicated store inside every tile
+        # was slower (fused_scores_bench.py)
+        if scored:
+            m_i, l_i, acc = _window_tiles(
+                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, True)
+        else:
+            m_i, l_i, acc = _window_tiles(
+                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
+    else:
+        m_i, l_i, acc = _window_tiles(
+            q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+            gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
 
     if HAS_SCORES:
         if scored & (s == NUM_SPLITS - 1):  # the frame past the row's keys
