@@ -146,11 +146,12 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
 def _token_reads() -> tuple[int, ...] | None:
     """(host reads of sampled tokens, planned steps[, reads that had to wait]) of the in-process
     SFI controller; None when there is none (dense, or tensor-parallel workers in other processes).
-    The third entry exists with ``boundary_read = "lagged"``."""
+    The third entry exists when the tokens are read a step late (``boundary_read`` "lagged", or
+    "auto" on a GPU)."""
     from sfi_vllm.controller import current_controller
 
     ctl = current_controller()
-    if ctl is None:
+    if ctl is None or ctl.tokens is None:  # (no reader before the first decode step)
         return None
     waits = getattr(ctl.tokens, "waits", None)
     return (ctl.tokens.reads, ctl.tokens.steps) + (() if waits is None else (waits,))

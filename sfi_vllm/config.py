@@ -103,13 +103,14 @@ class SFIConfig(BaseModel):
     boundary_token_ids: list[int] | None = Field(
         None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
     )
-    boundary_read: Literal["exact", "lagged"] = Field(
-        "exact",
-        description="how the boundary trigger learns the sampled tokens on a GPU. exact: a step "
-        "whose decision needs its input token reads it to the host (a device sync that waits for "
+    boundary_read: Literal["auto", "exact", "lagged"] = Field(
+        "auto",
+        description="how the boundary trigger learns the sampled tokens. exact: a step whose "
+        "decision needs its input token reads it to the host (on a GPU a device sync that waits for "
         "the previous step). lagged: every step's tokens are copied to the host asynchronously and "
         "the trigger sees each token one step later, so a boundary slow step fires one token later "
-        "and no step waits for the step before it",
+        "and no step waits for the step before it. auto: lagged where the tokens are on a GPU, "
+        "exact where they are on the CPU (reading them costs nothing there)",
     )
     reuse_budget: int = Field(64, ge=1, le=1 << 20, description="max fast steps between slow steps")
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")

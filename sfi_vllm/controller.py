@@ -24,12 +24,11 @@ from sfi_vllm.config import SFIConfig, SFIConfigError, build_config, config_from
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
     BoundaryTokens,
-    DeferredTokens,
-    LaggedTokens,
     SlowReason,
     SlowStepTrigger,
     StepMode,
     boundary_tokens_from_tokenizer,
+    token_reader,
 )
 
 logger = logging.getLogger("sfi_vllm")
@@ -127,9 +126,11 @@ class SFIController:
         # GPU fast path can run it on device tensors.
         self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary, device="cpu")
         # The last sampled tokens live on the GPU; they are read to the host (a device sync) only
-        # at steps whose decisions need them (see DeferredTokens).
-        self.tokens = (LaggedTokens(self.trigger) if cfg.boundary_read == "lagged"
-                       else DeferredTokens(self.trigger))
+        # at steps whose decisions need them (DeferredTokens), or a step late without waiting
+        # (LaggedTokens). With boundary_read "auto" the reader is chosen at the first decode step,
+        # from where the tokens are.
+        self.tokens = (None if cfg.boundary_read == "auto"
+                       else token_reader(cfg.boundary_read, "cpu", self.trigger))
         self.boundary = boundary
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -349,6 +350,8 @@ class SFIController:
                 self._reset(slots[i])  # (re)prefill: the next decode step starts afresh
         if decode_rows:
             dslots = [slots[i] for i in decode_rows]
+            if self.tokens is None:
+                self.tokens = token_reader(self.cfg.boundary_read, first_input_tokens.device.type, self.trigger)
             mode, reason = self.tokens.step(
                 dslots, [self.generation[s] for s in dslots], first_input_tokens, decode_rows,
                 [context[i] for i in decode_rows], self.generation,

@@ -225,6 +225,20 @@ def test_lagged_tokens_fire_one_token_after_the_exact_rule():
     assert int(out["lagged"][8][1][0]) == SlowReason.BOUNDARY
 
 
+def test_boundary_read_auto_is_lagged_on_a_gpu_and_exact_on_the_cpu():
+    from sfi_vllm.trigger import DeferredTokens, LaggedTokens, token_reader
+
+    assert build_config({}, use_env=False).boundary_read == "auto"
+    trig = SlowStepTrigger(build_config({}, use_env=False), num_slots=1, vocab_size=8, boundary=BOUNDARY)
+    kinds = {(mode, dev): type(token_reader(mode, dev, trig))
+             for mode in ("auto", "exact", "lagged") for dev in ("cpu", "cuda")}
+    assert kinds == {("auto", "cpu"): DeferredTokens, ("auto", "cuda"): LaggedTokens,
+                     ("exact", "cpu"): DeferredTokens, ("exact", "cuda"): DeferredTokens,
+                     ("lagged", "cpu"): LaggedTokens, ("lagged", "cuda"): LaggedTokens}
+    with pytest.raises(ValueError, match="boundary_read"):
+        token_reader("sometimes", "cpu", trig)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lagged_tokens_feed_every_row_its_previous_token(seed):
     """LaggedTokens against the trigger fed, at each row's decode step, the input token of that
