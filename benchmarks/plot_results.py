@@ -44,22 +44,23 @@ def kernel_plot() -> None:
 
 def e2e_plot() -> None:
     """Measured ratio per point for each slow-step refresh mode in e2e-h200.jsonl (rows without a
-    ``slow_refresh`` field count as per layer), and the achievable ratio of the per-layer run."""
+    ``slow_refresh`` field count as per layer; where a mode ran a point more than once, the file's
+    last row, the latest run, is drawn), and the achievable ratio of the per-layer run."""
     rows = _rows("e2e-h200.jsonl")
     points = sorted({(r["context"], r["batch"]) for r in rows})
     modes = sorted({r.get("slow_refresh", "per_layer") for r in rows})
     by = {(r.get("slow_refresh", "per_layer"), r["context"], r["batch"]): r for r in rows}
     labels = [f"{b}x{c // 1024}K" for c, b in points]
     width = 0.8 / (len(modes) + 1)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for m, mode in enumerate(modes):
         ax.bar([i - 0.4 + (m + 0.5) * width for i in range(len(points))],
                [by[(mode, c, b)]["ratio"] if (mode, c, b) in by else 0 for c, b in points], width,
-               label=f"measured, {mode.replace('_', ' ')}")
+               color=plt.get_cmap("tab20")(m % 20), label=f"measured, {mode.replace('_', ' ')}")
     ach = "per_layer" if "per_layer" in modes else modes[0]
     ax.bar([i - 0.4 + (len(modes) + 0.5) * width for i in range(len(points))],
            [by[(ach, c, b)]["achievable_ratio"] if (ach, c, b) in by else 0 for c, b in points], width,
-           label=f"achievable ({ach.replace('_', ' ')} run)")
+           color="white", edgecolor="black", hatch="//", label=f"achievable ({ach.replace('_', ' ')} run)")
     for i, (c, b) in enumerate(points):
         t = TARGETS.get((b, c))
         if t:
