@@ -35,8 +35,11 @@ metadata builder makes the main stream wait for the refresh stream at the start 
 
 With ``sfi.kernels="torch"`` the plain-torch reference serves fast and slow rows (no packed
 buffers, no uniform path). Not done yet: GPU-side step planning. The step plan is made on the
-host; it reads the last sampled tokens (a device sync, which also stalls vLLM's async scheduling)
-only at steps where some row's boundary check is due (:class:`sfi_vllm.trigger.DeferredTokens`).
+host. With ``boundary_read = "exact"`` it reads the last sampled tokens (a device sync, which also
+stalls vLLM's async scheduling) only at steps where some row's boundary check is due
+(:class:`sfi_vllm.trigger.DeferredTokens`); with the default ``auto`` on a GPU (``lagged``) it
+copies them to the host asynchronously and uses them one step later, so no step waits
+(:class:`sfi_vllm.trigger.LaggedTokens`).
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
 before sizing the KV cache): ``2 (K, V) x sets x max_num_seqs x kv_heads x (sinks + K_max) x
