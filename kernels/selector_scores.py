@@ -8,11 +8,13 @@ took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. 
 1. Statistics, with each (row, KV head)'s frame split across programs (``stat_splits``):
    ``_stats_partials`` (per split: running max and sum of the logits' exponentials for each query
    row of the GQA group, i.e. the slow step's softmax normaliser, never materialised; and the same
-   for the prior), ``_stats_total`` (the pooled evidence's sum), ``_stats_lambda`` (the adaptive
-   lambda's two sums); each merges the earlier passes' per-split partials itself.
-   ``_stats_finish`` writes five scalars per (row, head) (plus one per query row).
-2. ``_fused_log_s`` (row x head x tile) recomputes evidence, prior and fusion pointwise from those
-   scalars and writes ``log s`` (``-inf`` past a row's candidates).
+   for the prior), ``_stats_total`` (the pooled evidence, written once to the output buffer, and
+   its sum), ``_stats_lambda`` (the adaptive lambda's two sums, from the pooled evidence); each
+   merges the earlier passes' per-split partials itself. ``_stats_finish`` writes three scalars
+   per (row, head). Only the first two passes read the ``G`` query rows' logits; the later ones
+   read the pooled evidence, a quarter of the bytes at ``G = 4``.
+2. ``_fused_log_s`` (row x head x tile) recomputes the prior and the fusion pointwise from those
+   scalars and overwrites the pooled evidence with ``log s`` (``-inf`` past a row's candidates).
 3. ``_nms_exclusivity`` (row x tile, all KV heads of the row in one tile): the soft-NMS local
    maximum over ``2R + 1`` shifted loads of ``log s``, then the cross-head exclusivity softmax
    over the head axis. Writes the final scores.
@@ -147,10 +149,12 @@ def _merged_lse_prior(MR, SR, pid, nsp, S_PAD: tl.constexpr):
 
 
 @triton.jit
-def _stats_total(LOGITS, N, M1, S1, TOT, stride_lb, stride_lh, stride_lg, lo, width, chunk_w, alpha,
+def _stats_total(LOGITS, N, M1, S1, TOT, POOL, stride_lb, stride_lh, stride_lg, stride_pb, stride_ph,
+                 lo, width, chunk_w, alpha,
                  HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """Pass 2 over one split: the pooled evidence's sum over the split's candidates."""
+    """Pass 2 over one split: the pooled evidence over the split's candidates, written to ``POOL``
+    (``(rows, Hkv, width)``; 0 past a row's candidates) for the later passes, and its sum."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
@@ -164,35 +168,34 @@ def _stats_total(LOGITS, N, M1, S1, TOT, stride_lb, stride_lh, stride_lg, lo, wi
     lse = _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD, S_PAD)
     w0 = sp * chunk_w
     w1 = tl.minimum(w0 + chunk_w, width)
+    PO = POOL + b * stride_pb + h * stride_ph
     total = 0.0
     for start in range(w0, w1, BLOCK):
         j = start + offs
         valid = (j.to(tl.float32) < n) & (j < w1)
-        total += tl.sum(_pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G), 0)
+        pooled = _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G)
+        tl.store(PO + j, pooled, mask=j < w1)
+        total += tl.sum(pooled, 0)
     tl.store(TOT + pid * nsp + sp, total)
 
 
 @triton.jit
-def _stats_lambda(LOGITS, NORMS, N, M1, S1, MR, SR, TOT, NUM, DEN,
-                  stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,
-                  lo, width, chunk_w, alpha, w_norm, w_pos, gamma, beta, eta, pos_power,
-                  HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _stats_lambda(POOL, NORMS, N, MR, SR, TOT, NUM, DEN,
+                  stride_pb, stride_ph, stride_nb, stride_nh,
+                  lo, width, chunk_w, w_norm, w_pos, gamma, beta, eta, pos_power,
+                  HKV: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 3 over one split: the split's share of the adaptive lambda's two sums,
-    ``<f, f - r>`` and ``|f - r|^2``."""
+    ``<f, f - r>`` and ``|f - r|^2`` (the pooled evidence read from pass 2's ``POOL``)."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
     b = pid // HKV
     h = pid % HKV
     n = tl.load(N + b)
-    L = LOGITS + b * stride_lb + h * stride_lh
+    PO = POOL + b * stride_pb + h * stride_ph
     KN = NORMS + b * stride_nb + h * stride_nh
     offs = tl.arange(0, BLOCK)
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
     offs_s = tl.arange(0, S_PAD)
-    lse = _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD, S_PAD)
     lse_r = _merged_lse_prior(MR, SR, pid, nsp, S_PAD)
     total = tl.sum(tl.load(TOT + pid * nsp + offs_s, mask=offs_s < nsp, other=0.0), 0)
     w0 = sp * chunk_w
@@ -202,7 +205,7 @@ def _stats_lambda(LOGITS, NORMS, N, M1, S1, MR, SR, TOT, NUM, DEN,
     for start in range(w0, w1, BLOCK):
         j = start + offs
         valid = (j.to(tl.float32) < n) & (j < w1)
-        pooled = _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G)
+        pooled = tl.load(PO + j, mask=valid, other=0.0)
         f = tl.where(total > 0, pooled / tl.maximum(total, 1e-30), tl.where(valid, 1.0 / n, 0.0))
         x = _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power)
         r = tl.where(valid, tl.exp(x - lse_r), 0.0)
@@ -214,14 +217,12 @@ def _stats_lambda(LOGITS, NORMS, N, M1, S1, MR, SR, TOT, NUM, DEN,
 
 
 @triton.jit
-def _stats_finish(M1, S1, MR, SR, TOT, NUM, DEN, LSE, STATS, nsp, lam_max,
-                  G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, USE_PRIOR: tl.constexpr):
-    """Merges the splits into the five scalars per (row, head) that ``_fused_log_s`` reads."""
+def _stats_finish(MR, SR, TOT, NUM, DEN, STATS, nsp, lam_max,
+                  S_PAD: tl.constexpr, USE_PRIOR: tl.constexpr):
+    """Merges the splits into the three scalars per (row, head) that ``_fused_log_s`` reads."""
     pid = tl.program_id(0)
-    offs_g = tl.arange(0, G_PAD)
     offs_s = tl.arange(0, S_PAD)
     smask = offs_s < nsp
-    lse = _merged_lse(M1, S1, pid, nsp, offs_g, offs_g < G, G_PAD, S_PAD)
     total = tl.sum(tl.load(TOT + pid * nsp + offs_s, mask=smask, other=0.0), 0)
     lse_r = float("-inf")
     lam = 0.0
@@ -231,30 +232,26 @@ def _stats_finish(M1, S1, MR, SR, TOT, NUM, DEN, LSE, STATS, nsp, lam_max,
         den = tl.sum(tl.load(DEN + pid * nsp + offs_s, mask=smask, other=0.0), 0)
         lam = tl.where(den > 0, num / tl.maximum(den, 1e-30), 0.0)
         lam = tl.minimum(tl.maximum(lam, 0.0), lam_max)
-    tl.store(LSE + pid * G_PAD + offs_g, lse)
     tl.store(STATS + pid * 4 + 0, total)
     tl.store(STATS + pid * 4 + 1, lse_r)
     tl.store(STATS + pid * 4 + 2, lam)
 
 
 @triton.jit
-def _fused_log_s(LOGITS, NORMS, N, LSE, STATS, LOGS,
-                 stride_lb, stride_lh, stride_lg, stride_nb, stride_nh, stride_sb, stride_sh,
-                 lo, width, alpha, w_norm, w_pos, gamma, beta, eta, pos_power,
-                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, USE_PRIOR: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _fused_log_s(NORMS, N, STATS, LOGS,
+                 stride_nb, stride_nh, stride_sb, stride_sh,
+                 lo, width, w_norm, w_pos, gamma, beta, eta, pos_power,
+                 HKV: tl.constexpr, USE_PRIOR: tl.constexpr, BLOCK: tl.constexpr):
+    """``LOGS`` holds pass 2's pooled evidence; each element is read and then overwritten with
+    ``log s`` by the same program."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(N + b)
     valid = j.to(tl.float32) < n
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
-    lse = tl.load(LSE + pid * G_PAD + offs_g)
     total = tl.load(STATS + pid * 4 + 0)
-    L = LOGITS + b * stride_lb + h * stride_lh
-    pooled = _pooled(L, stride_lg, lse, j, valid, lo, offs_g, gmask, alpha, G)
+    pooled = tl.load(LOGS + b * stride_sb + h * stride_sh + j, mask=valid, other=0.0)
     f = tl.where(total > 0, pooled / tl.maximum(total, 1e-30), tl.where(valid, 1.0 / n, 0.0))
     log_f = tl.log(tl.maximum(f, 1e-30))
     if USE_PRIOR:
@@ -326,9 +323,8 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     width = frame - lo
     dev = logits.device
     g_pad = max(2, triton.next_power_of_2(g))
-    lse = torch.empty(B * hkv, g_pad, dtype=torch.float32, device=dev)
     stats = torch.empty(B * hkv, 4, dtype=torch.float32, device=dev)
-    log_s = torch.empty(B, hkv, width, dtype=torch.float32, device=dev)
+    log_s = torch.empty(B, hkv, width, dtype=torch.float32, device=dev)  # pass 2's pooled evidence, then log s
     out = torch.empty_like(log_s)
     lam_max = cfg.lambda_max_multi if num_query_rows > 1 else cfg.lambda_max_single
     prior = (cfg.alpha, cfg.w_norm, cfg.w_pos, cfg.gamma, cfg.beta, cfg.eta, cfg.pos_power)
@@ -345,19 +341,17 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     _stats_partials[(P, nsp)](logits, norms, n, m1, s1, mr, sr, *strides, norms.stride(0), norms.stride(1),
                               frame, lo, width, chunk_f, chunk_w, *prior[1:],
                               USE_PRIOR=cfg.use_prior, BLOCK=block, **consts)
-    _stats_total[(P, nsp)](logits, n, m1, s1, tot, *strides, lo, width, chunk_w, cfg.alpha,
-                           S_PAD=s_pad, BLOCK=block, **consts)
+    _stats_total[(P, nsp)](logits, n, m1, s1, tot, log_s, *strides, log_s.stride(0), log_s.stride(1),
+                           lo, width, chunk_w, cfg.alpha, S_PAD=s_pad, BLOCK=block, **consts)
     if cfg.use_prior:
-        _stats_lambda[(P, nsp)](logits, norms, n, m1, s1, mr, sr, tot, num, den, *strides, norms.stride(0),
-                                norms.stride(1), lo, width, chunk_w, *prior, S_PAD=s_pad, BLOCK=block, **consts)
-    _stats_finish[(P,)](m1, s1, mr, sr, tot, num, den, lse, stats, nsp, lam_max, G=g, G_PAD=g_pad, S_PAD=s_pad,
-                        USE_PRIOR=cfg.use_prior)
+        _stats_lambda[(P, nsp)](log_s, norms, n, mr, sr, tot, num, den, log_s.stride(0), log_s.stride(1),
+                                norms.stride(0), norms.stride(1), lo, width, chunk_w, *prior[1:],
+                                HKV=hkv, S_PAD=s_pad, BLOCK=block)
+    _stats_finish[(P,)](mr, sr, tot, num, den, stats, nsp, lam_max, S_PAD=s_pad, USE_PRIOR=cfg.use_prior)
     tile = min(block, 256)
     _fused_log_s[(B * hkv, triton.cdiv(width, tile))](
-        logits, norms, n, lse, stats, log_s,
-        logits.stride(0), logits.stride(1), logits.stride(2), norms.stride(0), norms.stride(1),
-        log_s.stride(0), log_s.stride(1), lo, width, *prior,
-        HKV=hkv, G=g, G_PAD=g_pad, USE_PRIOR=cfg.use_prior, BLOCK=tile)
+        norms, n, stats, log_s, norms.stride(0), norms.stride(1), log_s.stride(0), log_s.stride(1),
+        lo, width, *prior[1:], HKV=hkv, USE_PRIOR=cfg.use_prior, BLOCK=tile)
     use_excl = cfg.use_exclusivity and hkv > 2
     page = cfg.page_size
     token_log_s = log_s
