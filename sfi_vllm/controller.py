@@ -109,7 +109,7 @@ class SFIController:
         self.graph_slow_ready = False
         self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
         # fused slow-step scores of every layer (FusedScoreBuffers, set by the CUDA impl when
-        # ``fused_scores_tokens`` > 0); steps whose slow rows did not fit are counted
+        # ``fused_scores_tokens`` resolves to more than 0); steps whose slow rows did not fit are counted
         self.fused_scores = None
         self.fused_score_misses = 0
         self._slow_selection = None

@@ -42,6 +42,7 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": 8192, "slow_in_graph": False}, "fused_scores_tokens needs slow steps inside"),
         ({"fused_scores_tokens": 8192, "kernels": "torch"}, "fused_scores_tokens needs slow steps inside"),
         ({"fused_scores_tokens": -1}, "sfi.fused_scores_tokens"),
+        ({"fused_scores_tokens": "max"}, "sfi.fused_scores_tokens"),
         ({"selector_top_k": "cub"}, "sfi.selector_top_k"),
     ],
 )
@@ -60,6 +61,22 @@ def test_slow_in_graph_resolves_where_the_refresh_allows_it():
     assert build_config({"slow_in_graph": True, "slow_refresh": "per_step"}, use_env=False).graph_slow_enabled
     with pytest.raises(SFIConfigError, match="slow_in_graph needs"):
         build_config({"slow_in_graph": True, "layer_interleaved_refresh": True}, use_env=False)
+
+
+def test_fused_scores_tokens_auto_is_bounded_by_bytes_and_by_the_longest_batch():
+    from sfi_vllm.config import FUSED_AUTO_BYTES
+
+    cfg = build_config({}, use_env=False)
+    assert cfg.fused_scores_tokens == "auto"
+    qwen3_4b = (36, 32, 8)  # layers, query heads, KV heads: 5,760 bytes per frame token
+    assert cfg.fused_tokens_for(*qwen3_4b, 256, 32768) == FUSED_AUTO_BYTES // 5760 == 372827
+    # a small engine: every sequence at the longest context, rounded up to the 2048-token frame
+    assert cfg.fused_tokens_for(*qwen3_4b, 8, 30000) == 8 * 30720
+    # an explicit size is used as given; 0 and the settings without graph slow steps turn it off
+    assert build_config({"fused_scores_tokens": 4096}, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 4096
+    assert build_config({"fused_scores_tokens": 0}, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 0
+    for off in ({"kernels": "torch"}, {"slow_in_graph": False}, {"slow_refresh": "per_layer"}):
+        assert build_config(off, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 0
 
 
 def test_from_vllm_additional_config():

@@ -21,7 +21,8 @@ selection and repack run when the step ends, from one CUDA graph per shape
 (:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (on by default where it applies) such a step
 can even run as a uniform step: its slow rows attend densely in the fast-step kernel, which copies
 every row's query into the layer's persistent stage, and the refresh is built from the plan.
-With ``sfi.fused_scores_tokens`` that kernel also writes the slow rows' logits and key norms
+With fused scores (``sfi.fused_scores_tokens``, on by default wherever ``slow_in_graph`` runs) that
+kernel also writes the slow rows' logits and key norms
 (:class:`sfi_vllm.backends.step_refresh.FusedScoreBuffers`, allocated with the first layer), and
 the refresh skips the score kernel.
 
@@ -127,8 +128,9 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         self._uniform_ok = self.controller.cfg.kernels != "torch"
         rows = max_uniform_rows(vllm_config)
         # persistent (captured) row tables: compact-buffer slot and earliest window start per row,
-        # and with sfi.fused_scores_tokens the fused scores' frame base, layer stride and width
-        tables = 5 if self.controller.cfg.fused_scores_tokens else 2
+        # and with fused scores (allocated by the layers, which are built before this) their frame
+        # base, layer stride and width
+        tables = 5 if self.controller.fused_scores is not None else 2
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
 
     def _build_uniform(self, meta, cam, plan) -> bool:
@@ -197,17 +199,21 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         self.sfi_controller.graph_slow_ready = True
         logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
                          rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)
-        if cfg.fused_scores_tokens and self.sfi_controller.fused_scores is None:
-            self._allocate_fused_scores(vllm_config, cfg.fused_scores_tokens, num_heads)
+        if self.sfi_controller.fused_scores is None:
+            self._allocate_fused_scores(vllm_config, cfg, num_heads)
         return stage
 
-    def _allocate_fused_scores(self, vllm_config, tokens: int, num_heads: int) -> None:
-        """Every layer's fused slow-step scores, allocated with the first layer (so vLLM's
-        profiling counts them before it sizes the KV cache)."""
+    def _allocate_fused_scores(self, vllm_config, cfg, num_heads: int) -> None:
+        """Every layer's fused slow-step scores (``sfi.fused_scores_tokens``, resolved), allocated
+        with the first layer (so vLLM's profiling counts them before it sizes the KV cache)."""
         from sfi_vllm.backends.step_refresh import FusedScoreBuffers
 
         layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
         kv_heads = self.num_kv_heads
+        tokens = cfg.fused_tokens_for(layers, num_heads, kv_heads, int(vllm_config.scheduler_config.max_num_seqs),
+                                      int(vllm_config.model_config.max_model_len))
+        if tokens == 0:
+            return
         nbytes = FusedScoreBuffers.bytes_for(tokens, layers, num_heads, kv_heads)
         logger.info("sfi-vllm: fused slow-step scores take %d tokens x %d layers x (%d + %d heads) x 4 "
                     "bytes = %.1f MiB", tokens, layers, num_heads, kv_heads, nbytes / 2**20)

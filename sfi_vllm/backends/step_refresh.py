@@ -25,11 +25,12 @@ the refresh stream first, as with the per-layer path. What is lost: the per-laye
 the selection with the next layers' work; here it overlaps only with the step's tail (final norm,
 logits, sampling) and the next step's host preparation.
 
-**Fused scores** (``sfi.fused_scores_tokens``, slow steps inside full CUDA graphs only): the
+**Fused scores** (``sfi.fused_scores_tokens``, on by default; uniform steps with slow rows only): the
 fast-step kernel that attends densely for the slow rows also writes their logits and key norms
 into :class:`FusedScoreBuffers`, laid out per group of slow rows as ``(layers, rows, Hkv, G,
 width)`` (:func:`plan_score_frames`), and the refresh skips the score kernel: the keys are read
-once per slow step instead of twice. Not yet measured on a GPU.
+once per slow step instead of twice. Measured on the H200 (e2e-h200.md, 2026-12-01): 3.5-3.7%
+more decode throughput at 16 x 16K and 8 x 32K, slow steps 2.7-2.8 ms shorter.
 """
 
 from __future__ import annotations
