@@ -4,7 +4,8 @@
 * adds ``SFI`` as an alias of ``CUSTOM`` in the enum's member map, so ``--attention-backend sfi``
   (parsed as ``AttentionBackendEnum[value.upper()]``) works; vLLM 0.26/0.27 have no public alias
   mechanism, and an alias to CUSTOM (value None, present in every process) survives pickling;
-* installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check).
+* installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check);
+* sends the ``sfi_vllm`` loggers' records to vLLM's log handlers (:func:`share_vllm_log_handlers`).
 
 It must be idempotent and cheap, and must not initialise CUDA (vLLM would then switch to spawn).
 vLLM only logs a plugin's exceptions, so an unsupported vLLM is reported here and again, as an
@@ -30,8 +31,26 @@ def backend_path_for(platform) -> str | None:
     return None
 
 
+def share_vllm_log_handlers() -> None:
+    """Route the ``sfi_vllm`` loggers through the handlers and level vLLM gives its own ``vllm``
+    logger. vLLM configures only that logger. Without this, our INFO records, such as the memory
+    of the compact buffers logged at start-up, reached Python's last-resort handler, which prints
+    warnings and errors only: a ``vllm serve`` log on the H200 (2026-12-01) had none of them.
+    Nothing changes if the application configured ``sfi_vllm`` itself, or if vLLM's logging is
+    off (``VLLM_CONFIGURE_LOGGING=0``: ``vllm`` has no handlers)."""
+    ours, theirs = logging.getLogger("sfi_vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def register() -> None:
     from sfi_vllm.version import UnsupportedVLLMVersion, require_supported_vllm
+
+    share_vllm_log_handlers()
 
     try:
         require_supported_vllm()

@@ -68,3 +68,33 @@ def test_gpu_kernels_refuse_head_sizes_they_cannot_index():
     for bad in (80, 96, 112, 8):
         with pytest.raises(ValueError, match=f"head size.*this model's is {bad}.*kernels"):
             check_kernel_head_size(bad)
+
+
+def test_sfi_info_records_reach_vllms_log_handlers():
+    """vLLM configures handlers for its ``vllm`` logger only; our start-up INFO lines (buffer
+    memory) must go through them, not to Python's last-resort handler (warnings only)."""
+    import logging
+
+    ours, theirs = logging.getLogger("sfi_vllm"), logging.getLogger("vllm")
+    saved = (list(ours.handlers), ours.level, ours.propagate)
+    records: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    capture = Capture()
+    theirs.addHandler(capture)
+    try:
+        ours.handlers.clear()
+        plugin.register()
+        assert capture in ours.handlers and not ours.propagate
+        logging.getLogger("sfi_vllm.backends.cuda").info("sfi-vllm: buffers take %d MiB", 3)
+        assert [r.getMessage() for r in records] == ["sfi-vllm: buffers take 3 MiB"]
+        plugin.register()  # idempotent: no second copy of the handlers
+        assert ours.handlers.count(capture) == 1
+    finally:
+        theirs.removeHandler(capture)
+        ours.handlers[:] = saved[0]
+        ours.setLevel(saved[1])
+        ours.propagate = saved[2]
