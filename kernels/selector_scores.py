@@ -303,18 +303,23 @@ def _nms_exclusivity(LOGS, N, OUT, stride_sb, stride_sh, width, radius, nms_stre
              mask=hmask[:, None] & (j < width)[None, :])
 
 
-def stat_splits(programs: int, width: int, block: int) -> int:
+def stat_splits(programs: int, width: int, block: int, target: int = TARGET_PROGRAMS) -> int:
     """How many splits of the frame the statistics passes use: enough programs to fill the GPU
-    (``TARGET_PROGRAMS``), at most ``MAX_SPLITS``, and no split shorter than one ``block``."""
-    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(width, block)))
+    (``target``), at most ``MAX_SPLITS``, and no split shorter than one ``block``."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), triton.cdiv(width, block)))
 
 
 def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: torch.Tensor,
-                    num_query_rows: int = 1, block: int = 1024) -> torch.Tensor:
+                    num_query_rows: int = 1, block: int = 1024, target_programs: int = TARGET_PROGRAMS,
+                    num_warps: int = 4, tile: int = 256, nms_tile: int = 256, nms_elems: int = 2048) -> torch.Tensor:
     """``logits (B, Hkv, G, F)`` (the score kernel's, ``-inf`` past each row's context) and
     ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j``, equal to
     ``batched_scores_static(Selector(cfg), softmax(logits), norms, lo, n)``. ``n (B,)`` float32:
-    candidates per row. ``cfg`` is a :class:`sfi_vllm.config.SelectorConfig`."""
+    candidates per row. ``cfg`` is a :class:`sfi_vllm.config.SelectorConfig`. ``block`` and
+    ``target_programs`` (the statistics passes), ``num_warps`` (every launch), ``tile`` (the fusion pass's
+    tile, at most ``block``), ``nms_tile`` and ``nms_elems`` (the soft-NMS pass's positions per
+    program, and its cap on heads x positions) are launch parameters: they change float summation order, not
+    what is computed (``benchmarks/selector_bench.py`` times them)."""
     if cfg.smooth_kernel > 1:
         raise NotImplementedError("sfi-vllm: the fused selector has no evidence smoothing (smooth_kernel > 1)")
     B, hkv, g, frame = logits.shape
@@ -329,7 +334,7 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     lam_max = cfg.lambda_max_multi if num_query_rows > 1 else cfg.lambda_max_single
     prior = (cfg.alpha, cfg.w_norm, cfg.w_pos, cfg.gamma, cfg.beta, cfg.eta, cfg.pos_power)
     P = B * hkv
-    nsp = stat_splits(P, width, block)
+    nsp = stat_splits(P, width, block, target_programs)
     chunk_w = triton.cdiv(triton.cdiv(width, nsp), block) * block
     chunk_f = triton.cdiv(triton.cdiv(frame, nsp), block) * block
     s_pad = max(2, triton.next_power_of_2(nsp))
@@ -340,18 +345,18 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     consts = dict(HKV=hkv, G=g, G_PAD=g_pad)
     _stats_partials[(P, nsp)](logits, norms, n, m1, s1, mr, sr, *strides, norms.stride(0), norms.stride(1),
                               frame, lo, width, chunk_f, chunk_w, *prior[1:],
-                              USE_PRIOR=cfg.use_prior, BLOCK=block, **consts)
+                              USE_PRIOR=cfg.use_prior, BLOCK=block, num_warps=num_warps, **consts)
     _stats_total[(P, nsp)](logits, n, m1, s1, tot, log_s, *strides, log_s.stride(0), log_s.stride(1),
-                           lo, width, chunk_w, cfg.alpha, S_PAD=s_pad, BLOCK=block, **consts)
+                           lo, width, chunk_w, cfg.alpha, S_PAD=s_pad, BLOCK=block, num_warps=num_warps, **consts)
     if cfg.use_prior:
         _stats_lambda[(P, nsp)](log_s, norms, n, mr, sr, tot, num, den, log_s.stride(0), log_s.stride(1),
                                 norms.stride(0), norms.stride(1), lo, width, chunk_w, *prior[1:],
-                                HKV=hkv, S_PAD=s_pad, BLOCK=block)
+                                HKV=hkv, S_PAD=s_pad, BLOCK=block, num_warps=num_warps)
     _stats_finish[(P,)](mr, sr, tot, num, den, stats, nsp, lam_max, S_PAD=s_pad, USE_PRIOR=cfg.use_prior)
-    tile = min(block, 256)
+    tile = min(block, tile)
     _fused_log_s[(B * hkv, triton.cdiv(width, tile))](
         norms, n, stats, log_s, norms.stride(0), norms.stride(1), log_s.stride(0), log_s.stride(1),
-        lo, width, *prior[1:], HKV=hkv, USE_PRIOR=cfg.use_prior, BLOCK=tile)
+        lo, width, *prior[1:], HKV=hkv, USE_PRIOR=cfg.use_prior, BLOCK=tile, num_warps=num_warps)
     use_excl = cfg.use_exclusivity and hkv > 2
     page = cfg.page_size
     token_log_s = log_s
@@ -362,10 +367,10 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
         out = torch.empty_like(log_s)
     if cfg.use_nms or use_excl:
         hkv_pad = max(2, triton.next_power_of_2(hkv))
-        tile2 = max(16, min(256, 2048 // hkv_pad))
+        tile2 = max(16, min(nms_tile, nms_elems // hkv_pad))
         _nms_exclusivity[(B, triton.cdiv(units, tile2))](
             log_s, n_units, out, log_s.stride(0), log_s.stride(1), units, page_radius(cfg), cfg.nms_strength,
             cfg.exclusivity_temperature, cfg.exclusivity_strength,
-            HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2)
+            HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2, num_warps=num_warps)
         log_s = out
     return page_expand(log_s, token_log_s, page) if page > 1 else log_s

@@ -540,10 +540,11 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
 
 
 def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=(6000, 3100, 900, 40),
-                          window=256, kmax=512, seed=5, block=1024, variants=None):
+                          window=256, kmax=512, seed=5, block=1024, variants=None, launch=None):
     """The fused selector kernels against the batched torch Selector (steps 1-5 compared as scores,
     step 6 as selections) for the default settings and each ablation's switches. ``block`` sets the
-    statistics passes' tile, and with it how many splits of the frame they use."""
+    statistics passes' tile, and with it how many splits of the frame they use; ``launch``, other
+    launch parameters of ``selector_scores`` (those ``benchmarks/selector_bench.py`` times)."""
     from sfi_vllm.config import SelectorConfig
     from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
     from sfi_vllm_kernels.selector_scores import selector_scores
@@ -573,7 +574,7 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
         for rows in (1, 2):
             cfg = SelectorConfig(**over)
             ref = batched_scores_static(Selector(cfg), torch.softmax(logits, -1), norms, lo, n, rows)
-            got = selector_scores(cfg, logits, norms, lo, n, rows, block=block)
+            got = selector_scores(cfg, logits, norms, lo, n, rows, block=block, **(launch or {}))
             assert got.shape == ref.shape, (got.shape, ref.shape)
             fin = torch.isfinite(ref)
             assert torch.equal(fin, torch.isfinite(got)), (over, "-inf pattern")
@@ -775,6 +776,10 @@ def run_all(device: str) -> None:
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
                               block=64, variants=[{}, {"use_prior": False, "use_nms": False}, {"page_size": 16}])
+        # other launch parameters: more splits, 8 warps, small pointwise and soft-NMS tiles
+        check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
+                              block=128, variants=[{}], launch=dict(target_programs=4096, num_warps=8, tile=64,
+                                                                    nms_tile=32, nms_elems=128))
         print("kernel checks passed (interpreter)")
         return
     check_top_k(device)
@@ -807,6 +812,12 @@ def run_all(device: str) -> None:
     check_selector_scores(device)
     check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     check_selector_scores(device, frame=131072, seq_lens=(131072, 70000), kmax=2048)  # 32 splits
+    # launch parameters other than the defaults, the extremes of those benchmarks/selector_bench.py times
+    for block, launch in ((2048, dict(target_programs=2048, num_warps=8)),
+                          (1024, dict(target_programs=4096, num_warps=8, tile=1024, nms_tile=1024, nms_elems=8192)),
+                          (512, dict(target_programs=4096, nms_tile=512, nms_elems=4096))):
+        check_selector_scores(device, frame=40000, seq_lens=(40000, 33000), kmax=2048, block=block, variants=[{}],
+                              launch=launch)
     print("kernel checks passed (cuda)")
 
 
