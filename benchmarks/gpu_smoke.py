@@ -113,8 +113,8 @@ def main() -> int:
         "sfi_small_graphs_slow_eager": EngineJob(**base, attention_backend="sfi",
                                                  sfi={**SMALL, "slow_in_graph": False},
                                                  engine_kwargs={**eng, "enforce_eager": False}),
-        # the opt-in fused scores and Triton top-K (fifth session of 2026-11-30): room for every
-        # row's frame (8 rows x 4096); the logits come from another kernel, so the agreement with
+        # the Triton top-K (opt-in) with an explicit fused-score size, room for every row's frame
+        # (8 rows x 4096; the default "auto" gives the same here); the agreement with
         # sfi_small_graphs is reported, not required
         "sfi_small_graphs_fused": EngineJob(**base, attention_backend="sfi",
                                             sfi={**SMALL, "fused_scores_tokens": 8 * 4096, "selector_top_k": "triton"},
