@@ -22,10 +22,13 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("quality", "balanced", "speed")
 ENV_CONFIG_FILE = "SFI_CONFIG"
 ADDITIONAL_CONFIG_KEY = "sfi"
-# fused_scores_tokens "auto": the most the fused score buffers may take. Measured on the H200
-# (e2e-h200.md, 2026-12-01): at 327,680 tokens (1.76 GiB for Qwen3-4B) the fused scores raised
-# decode throughput by 3.7% at 16 x 16K and 3.5% at 8 x 32K over the second pass.
+# fused_scores_tokens "auto": the most the fused score buffers may take, in bytes and as a share of
+# the GPU's memory (so that a small GPU does not give a twelfth of itself to them; 2 GiB is 1.4% of
+# an H200). Measured on the H200 (e2e-h200.md, 2026-12-01): at 327,680 tokens (1.76 GiB for
+# Qwen3-4B) the fused scores raised decode throughput by 3.7% at 16 x 16K and 3.5% at 8 x 32K
+# over the second pass.
 FUSED_AUTO_BYTES = 2 << 30
+FUSED_AUTO_FRACTION = 0.02
 
 
 class SFIConfigError(ValueError):
@@ -160,8 +163,8 @@ class SFIConfig(BaseModel):
         "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
         "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
         "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
-        "(default): on wherever slow_in_graph runs, sized to at most FUSED_AUTO_BYTES (2 GiB) and "
-        "at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
+        "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
+        "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
     )
     selector_top_k: Literal["torch", "triton"] = Field(
         "torch",
@@ -208,17 +211,19 @@ class SFIConfig(BaseModel):
         return self
 
     def fused_tokens_for(self, layers: int, q_heads: int, kv_heads: int, max_num_seqs: int,
-                         max_model_len: int, frame_bucket: int = 2048) -> int:
+                         max_model_len: int, device_bytes: int, frame_bucket: int = 2048) -> int:
         """``fused_scores_tokens`` resolved for a model (0: off). ``auto``: as many frame tokens as
-        ``FUSED_AUTO_BYTES`` holds, but no more than every sequence at the longest context
-        (rounded up to ``frame_bucket``, the Selector's frame width) can use."""
+        ``FUSED_AUTO_BYTES`` and ``FUSED_AUTO_FRACTION`` of the GPU's ``device_bytes`` hold, but
+        no more than every sequence at the longest context (rounded up to ``frame_bucket``, the
+        Selector's frame width) can use."""
         if self.kernels == "torch" or not self.graph_slow_enabled:
             return 0
         if self.fused_scores_tokens != "auto":
             return self.fused_scores_tokens
         per_token = layers * (q_heads + kv_heads) * 4
+        budget = min(FUSED_AUTO_BYTES, int(FUSED_AUTO_FRACTION * device_bytes))
         frame = -(-max_model_len // frame_bucket) * frame_bucket
-        return min(FUSED_AUTO_BYTES // per_token, max_num_seqs * frame)
+        return min(budget // per_token, max_num_seqs * frame)
 
     @property
     def graph_slow_enabled(self) -> bool:

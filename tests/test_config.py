@@ -63,20 +63,24 @@ def test_slow_in_graph_resolves_where_the_refresh_allows_it():
         build_config({"slow_in_graph": True, "layer_interleaved_refresh": True}, use_env=False)
 
 
-def test_fused_scores_tokens_auto_is_bounded_by_bytes_and_by_the_longest_batch():
+def test_fused_scores_tokens_auto_is_bounded_by_bytes_gpu_share_and_the_longest_batch():
     from sfi_vllm.config import FUSED_AUTO_BYTES
 
     cfg = build_config({}, use_env=False)
     assert cfg.fused_scores_tokens == "auto"
     qwen3_4b = (36, 32, 8)  # layers, query heads, KV heads: 5,760 bytes per frame token
-    assert cfg.fused_tokens_for(*qwen3_4b, 256, 32768) == FUSED_AUTO_BYTES // 5760 == 372827
+    h200, gpu24 = int(139.8 * 2**30), 24 << 30  # total memory as torch reports it
+    assert cfg.fused_tokens_for(*qwen3_4b, 256, 32768, h200) == FUSED_AUTO_BYTES // 5760 == 372827
+    # a small GPU: 2% of its memory
+    assert cfg.fused_tokens_for(*qwen3_4b, 256, 32768, gpu24) == int(0.02 * gpu24) // 5760 == 89478
     # a small engine: every sequence at the longest context, rounded up to the 2048-token frame
-    assert cfg.fused_tokens_for(*qwen3_4b, 8, 30000) == 8 * 30720
+    assert cfg.fused_tokens_for(*qwen3_4b, 8, 30000, h200) == 8 * 30720
     # an explicit size is used as given; 0 and the settings without graph slow steps turn it off
-    assert build_config({"fused_scores_tokens": 4096}, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 4096
-    assert build_config({"fused_scores_tokens": 0}, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 0
+    explicit = build_config({"fused_scores_tokens": 4096}, use_env=False)
+    assert explicit.fused_tokens_for(*qwen3_4b, 8, 30000, gpu24) == 4096
+    assert build_config({"fused_scores_tokens": 0}, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000, h200) == 0
     for off in ({"kernels": "torch"}, {"slow_in_graph": False}, {"slow_refresh": "per_layer"}):
-        assert build_config(off, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000) == 0
+        assert build_config(off, use_env=False).fused_tokens_for(*qwen3_4b, 8, 30000, h200) == 0
 
 
 def test_from_vllm_additional_config():

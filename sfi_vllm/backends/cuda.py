@@ -210,15 +210,16 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
 
         layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
         kv_heads = self.num_kv_heads
+        device = torch.device("cuda", torch.cuda.current_device())
         tokens = cfg.fused_tokens_for(layers, num_heads, kv_heads, int(vllm_config.scheduler_config.max_num_seqs),
-                                      int(vllm_config.model_config.max_model_len))
+                                      int(vllm_config.model_config.max_model_len),
+                                      torch.cuda.get_device_properties(device).total_memory)
         if tokens == 0:
             return
         nbytes = FusedScoreBuffers.bytes_for(tokens, layers, num_heads, kv_heads)
         logger.info("sfi-vllm: fused slow-step scores take %d tokens x %d layers x (%d + %d heads) x 4 "
                     "bytes = %.1f MiB", tokens, layers, num_heads, kv_heads, nbytes / 2**20)
-        self.sfi_controller.fused_scores = FusedScoreBuffers.allocate(
-            tokens, layers, num_heads, kv_heads, torch.device("cuda", torch.cuda.current_device()))
+        self.sfi_controller.fused_scores = FusedScoreBuffers.allocate(tokens, layers, num_heads, kv_heads, device)
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)
