@@ -18,14 +18,7 @@ import lzma
 import statistics
 from pathlib import Path
 
-# two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-       10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 24: 2.064, 29: 2.045}
-
-
-def t95(df: int) -> float:
-    return T95.get(df) or T95[max(k for k in T95 if k <= df)]
-
+from sfi_vllm.quality.fidelity import t975
 
 def load(path: str) -> list[dict]:
     opener = lzma.open if path.endswith(".xz") else open
@@ -71,7 +64,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for key, c in sorted(cells.items()):
         n = len(c["d"])
-        half = t95(n - 1) * statistics.stdev(c["d"]) / n ** 0.5 if n > 1 else float("nan")
+        half = t975(n - 1) * statistics.stdev(c["d"]) / n ** 0.5 if n > 1 else float("nan")
         ratio = statistics.mean(c["kb"]) / statistics.mean(c["ka"])
         print(f"| {key[0]} | {key[1]} | {key[2]} | {n} | {statistics.mean(c['d']):+.2f} ± {half:.2f} | {ratio:.3f} |")
     return 0

@@ -101,7 +101,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 def _cmd_fidelity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sfi_vllm.quality.fidelity import markdown, rows_from_raw, run_fidelity
+    from sfi_vllm.quality.fidelity import load_raw, markdown, paired_top1, rows_from_raw, run_fidelity
 
     if args.model is not None and not args.from_raw:
         from sfi_vllm.quality.runner import check_model_dir
@@ -121,7 +121,9 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
                             ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs,
                             model=args.model, dtype=args.dtype,
                             gpu_memory_utilization=args.gpu_memory_utilization)
-    table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]))
+    raw = args.from_raw or args.raw  # the paired table needs the per-document records
+    table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]),
+                     paired=paired_top1(load_raw(raw)) if raw else None)
     if args.report:
         Path(args.report).write_text(table)
         print(f"wrote {args.report}")
@@ -242,10 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let dense's continuation end at EOS (default: T tokens, EOS ignored)")
     _engine_args(fid)
     fid.add_argument("--out", default="fidelity.jsonl", help="JSON lines, one per policy x context x retention")
-    fid.add_argument("--raw", default=None, help="also write every request's per-step records here")
+    fid.add_argument("--raw", default=None,
+                     help="also write every request's per-step records here (and add the paired table to the report)")
     fid.add_argument("--report", default=None, help="also write the markdown table here")
     fid.add_argument("--from-raw", default=None, metavar="RAW",
-                     help="no engine: summarize a --raw file of an earlier run into --out (and --report)")
+                     help="no engine: summarize a --raw file (.jsonl or .jsonl.xz) of an earlier run into --out "
+                          "(and --report, with the table of sfi minus each policy paired by document)")
     fid.set_defaults(func=_cmd_fidelity)
 
     rs = sub.add_parser("rescore", help="eval's rows from one or more --raw files (e.g. runs over disjoint samples)")

@@ -269,3 +269,36 @@ def test_top1_half_width_is_over_documents():
     assert row["top1_agreement"] == 0.5
     assert row["top1_doc_half_width"] == pytest.approx(4.303 * 0.5 / 3 ** 0.5, abs=1e-4)
     assert "50.0% ± 124.2" in markdown([row])
+
+
+def test_t975_matches_students_t_beyond_the_table():
+    from sfi_vllm.quality.fidelity import t975
+
+    # exact quantiles (R: qt(0.975, df)); df 31 used to fall back to 1.96, 4% short
+    for df, exact in ((1, 12.7062), (30, 2.0423), (31, 2.0395), (40, 2.0211), (60, 2.0003), (120, 1.9799),
+                      (1000, 1.9623)):
+        assert t975(df) == pytest.approx(exact, abs=5e-4)  # the table has three decimals
+    with pytest.raises(ValueError):
+        t975(0)
+
+
+def test_paired_top1_is_per_document_and_skips_unshared_documents():
+    from sfi_vllm.quality.fidelity import markdown, paired_top1
+
+    def forced(pol, r, doc, top1, ctx=64):
+        return dict(kind="forced", policy=pol, retention=r, context=ctx, doc=doc, top1=top1)
+
+    recs = [forced("sfi", 0.1, 0, [1, 1]), forced("sfi", 0.1, 1, [1, 0]), forced("sfi", 0.1, 2, [0, 0]),
+            forced("streaming", 0.1, 0, [1, 0]), forced("streaming", 0.1, 1, [1, 0]),  # no doc 2
+            forced("streaming", 0.2, 0, [0, 0]),                                       # other retention
+            forced("dense", None, 0, [1, 1]), forced("dense", None, 1, [1, 1]), forced("dense", None, 2, [1, 1]),
+            forced("sfi", 0.1, 0, [0, 0], ctx=128)]                                    # other context
+    rows = {(r["context"], r["policy"]): r for r in paired_top1(recs)}
+    assert set(rows) == {(64, "streaming"), (64, "dense")}  # nothing to pair at 128 or at 0.2
+    s = rows[(64, "streaming")]
+    assert (s["n_docs"], s["top1_diff"], s["retention"]) == (2, 0.25, 0.1)  # docs 0, 1: +0.5 and 0
+    assert s["top1_diff_half_width"] == pytest.approx(12.706 * 0.35355339 / 2 ** 0.5, abs=1e-4)
+    d = rows[(64, "dense")]
+    assert (d["n_docs"], d["top1_diff"]) == (3, -0.5)
+    md = markdown([], paired=paired_top1(recs))
+    assert "| 64 | 0.10 | streaming | +25.0 ± 317.6 | 2 |" in md

@@ -201,11 +201,26 @@ def repeated_steps(ids: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
     return out
 
 
-# two-sided 95% Student-t quantiles for 1-30 degrees of freedom: neither we nor vLLM depend on
-# scipy, and these 30 values are all a per-document interval needs (1.96 beyond)
+# two-sided 95% Student-t quantiles for 1-30 degrees of freedom (neither we nor vLLM depend on
+# scipy); beyond 30, t975 uses the Cornish-Fisher expansion around the normal quantile
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
          2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
          2.052, 2.048, 2.045, 2.042)
+_Z975 = 1.959964
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (table to 30, then the
+    Cornish-Fisher series to 1/df^3: within 1e-4 of the exact value from df = 31 on)."""
+    if df < 1:
+        raise ValueError(f"t975: degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    g1 = (z ** 3 + z) / 4
+    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
 
 
 def _round(x: float | None, nd: int) -> float | None:
@@ -218,8 +233,32 @@ def doc_half_width(per_doc: list[float]) -> float | None:
     n = len(per_doc)
     if n < 2:
         return None
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
-    return t * statistics.stdev(per_doc) / n ** 0.5
+    return t975(n - 1) * statistics.stdev(per_doc) / n ** 0.5
+
+
+def paired_top1(recs: list[dict[str, Any]], against: str = "sfi") -> list[dict[str, Any]]:
+    """``against`` minus every other policy in teacher-forced top-1 agreement, paired by document:
+    per context and retention, the mean over documents of the per-document difference and its 95%
+    half-width (Student t over documents). Dense (retention 1) is compared at every retention.
+    Only documents both policies ran are used."""
+    per_doc: dict[tuple, dict[int, float]] = {}
+    for p in recs:
+        if p["kind"] == "forced":
+            per_doc.setdefault((p["policy"], p["retention"], p["context"]), {})[p["doc"]] = statistics.fmean(p["top1"])
+    out = []
+    for (pol, r, ctx), mine in sorted(per_doc.items(), key=lambda kv: (kv[0][2], kv[0][1] or 0, kv[0][0])):
+        if pol != against:
+            continue
+        for (other, r2, ctx2), theirs in per_doc.items():
+            if other == against or ctx2 != ctx or (r2 != r and other != "dense"):
+                continue
+            docs = sorted(set(mine) & set(theirs))
+            d = [mine[i] - theirs[i] for i in docs]
+            if not d:
+                continue
+            out.append(dict(context=ctx, retention=r, policy=other, n_docs=len(d),
+                            top1_diff=round(statistics.fmean(d), 4), top1_diff_half_width=_round(doc_half_width(d), 4)))
+    return out
 
 
 def summarize(recs: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
@@ -339,17 +378,25 @@ def _write_rows(recs: list[dict[str, Any]], tokens: int, out: str) -> list[dict[
     return rows
 
 
+def load_raw(raw: str) -> list[dict[str, Any]]:
+    """The records of a ``--raw`` file (``.xz``-compressed or plain JSON lines)."""
+    import lzma
+
+    with (lzma.open(raw, "rt") if raw.endswith(".xz") else open(raw)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def rows_from_raw(raw: str, out: str, vllm_version: str | None = None) -> list[dict[str, Any]]:
     """Summarize a ``--raw`` file again (no engine): the rows ``run_fidelity`` writes."""
-    with open(raw) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = load_raw(raw)
     for p in recs:
         p.setdefault("vllm_version", vllm_version)
     tokens = max(len(p["top1"]) for p in recs if p["kind"] == "forced")
     return _write_rows(recs, tokens, out)
 
 
-def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity", command: str | None = None) -> str:
+def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity", command: str | None = None,
+             paired: list[dict[str, Any]] | None = None, against: str = "sfi") -> str:
     lines = [f"# {title}", ""]
     if command:
         lines += ["Command:", "", f"    {command}", ""]
@@ -372,4 +419,13 @@ def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity",
                      f"{r['kl_mean']:.4f} | {r['kl_p50']:.4f} | {r['kl_p90']:.4f} | {fresh} | {r['nll_delta']:.4f} | "
                      f"{r['measured_retention']} | {r['slow_step_rate']} | {r.get('free_agree_tokens', '-')} | "
                      f"{r['n_docs']} x {r['tokens']} |")
+    if paired:
+        lines += ["", f"`{against}` minus each policy in top-1 agreement, paired by document (points, ± 95% "
+                  "half-width over documents; negative: "f"`{against}` agrees less with dense). Dense is compared "
+                  "at every retention.", "",
+                  "| context | retention | policy | difference | documents |", "|---|---|---|---|---|"]
+        for r in paired:
+            hw = r["top1_diff_half_width"]
+            lines.append(f"| {r['context']} | {r['retention']:.2f} | {r['policy']} | {100 * r['top1_diff']:+.1f}"
+                         + (f" ± {100 * hw:.1f}" if hw is not None else "") + f" | {r['n_docs']} |")
     return "\n".join(lines) + "\n"
