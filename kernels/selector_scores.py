@@ -36,8 +36,11 @@ from sfi_vllm.selector import page_expand, page_mass, page_radius
 
 # The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
-# layer at 6 x 128K, 48 programs). 512 programs is about four per SM there.
-TARGET_PROGRAMS = 512
+# layer at 6 x 128K, 48 programs). The launch defaults (4096 programs, 8 warps, 1024-position
+# fusion and soft-NMS tiles) are the fastest of benchmarks/selector_bench.py's configurations on the
+# H200 at three of its four points and second at the fourth: 12-30% faster than the earlier
+# 512 programs / 4 warps / 256 tiles, with the same top-K (results/selector-tune-h200.md).
+TARGET_PROGRAMS = 4096
 MAX_SPLITS = 64
 
 
@@ -311,7 +314,7 @@ def stat_splits(programs: int, width: int, block: int, target: int = TARGET_PROG
 
 def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: torch.Tensor,
                     num_query_rows: int = 1, block: int = 1024, target_programs: int = TARGET_PROGRAMS,
-                    num_warps: int = 4, tile: int = 256, nms_tile: int = 256, nms_elems: int = 2048) -> torch.Tensor:
+                    num_warps: int = 8, tile: int = 1024, nms_tile: int = 1024, nms_elems: int = 8192) -> torch.Tensor:
     """``logits (B, Hkv, G, F)`` (the score kernel's, ``-inf`` past each row's context) and
     ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j``, equal to
     ``batched_scores_static(Selector(cfg), softmax(logits), norms, lo, n)``. ``n (B,)`` float32:

@@ -813,9 +813,10 @@ def run_all(device: str) -> None:
     check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     check_selector_scores(device, frame=131072, seq_lens=(131072, 70000), kmax=2048)  # 32 splits
     # launch parameters other than the defaults, the extremes of those benchmarks/selector_bench.py times
-    for block, launch in ((2048, dict(target_programs=2048, num_warps=8)),
-                          (1024, dict(target_programs=4096, num_warps=8, tile=1024, nms_tile=1024, nms_elems=8192)),
-                          (512, dict(target_programs=4096, nms_tile=512, nms_elems=4096))):
+    # (the second: the defaults before 2026-12-01)
+    for block, launch in ((2048, dict(target_programs=2048, num_warps=8, tile=256, nms_tile=256, nms_elems=2048)),
+                          (1024, dict(target_programs=512, num_warps=4, tile=256, nms_tile=256, nms_elems=2048)),
+                          (512, dict(target_programs=4096, num_warps=4, tile=256, nms_tile=512, nms_elems=4096))):
         check_selector_scores(device, frame=40000, seq_lens=(40000, 33000), kmax=2048, block=block, variants=[{}],
                               launch=launch)
     print("kernel checks passed (cuda)")
