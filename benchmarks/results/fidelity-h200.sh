@@ -1,6 +1,7 @@
 #!/bin/bash
 # Teacher-forced fidelity on the H200 (issue 4; `sfi-vllm fidelity`, as fidelity-cpu.md but 2K/4K/8K,
-# more documents and longer continuations), in one device call of about 3 minutes.
+# more documents and longer continuations), in one device call (32 documents: 358 s for 2K + 4K,
+# 218 s for 8K on the H200, 2026-12-01).
 # On the device machine, from the repository root, after ../shared/gpu/README.md's install, with
 # .gpu-data carried (.gpu-data/cache/texts holds the essay corpus; the device has no network):
 #   OUT=$OUT bash benchmarks/results/fidelity-h200.sh [DOCS [TOKENS]]
