@@ -421,7 +421,7 @@ def markdown(rows: list[dict[str, Any]], title: str = "Teacher-forced fidelity",
                      f"{r['n_docs']} x {r['tokens']} |")
     if paired:
         lines += ["", f"`{against}` minus each policy in top-1 agreement, paired by document (points, ± 95% "
-                  "half-width over documents; negative: "f"`{against}` agrees less with dense). Dense is compared "
+                  f"half-width over documents; negative: `{against}` agrees less with dense). Dense is compared "
                   "at every retention.", "",
                   "| context | retention | policy | difference | documents |", "|---|---|---|---|---|"]
         for r in paired:
