@@ -195,6 +195,7 @@ def per_request(samples, keys, res) -> tuple[list[dict], int]:
                         out_tokens=len(o["token_ids"]), prompt_tokens=o.get("prompt_tokens"),
                         cached_tokens=o.get("cached_tokens"),
                         attended_fraction=st.get("attended_fraction"),
+                        decode_attended_fraction=st.get("decode_attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
                         decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
     return per, len(missing)
