@@ -40,12 +40,12 @@ def top_k_function(kind: str, page_size: int = 0):
     :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm_kernels.top_k``).
     Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
     score plus the in-page order), which the kernel's float32 radix select does not take."""
+    if kind not in ("torch", "triton"):
+        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
     if kind == "triton" and page_size <= 1:
         from sfi_vllm_kernels.top_k import top_k_positions as kernel
 
         return kernel
-    if kind != "torch":
-        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
     return top_k_positions
 
 
