@@ -7,7 +7,11 @@ from sfi_vllm.config import PRESETS, SFIConfigError, build_config, config_from_v
 def test_presets_load_and_validate(name):
     cfg = build_config({"preset": name}, use_env=False)
     for key, value in preset_values(name).items():
-        assert getattr(cfg, key) == value
+        if isinstance(value, dict):  # the nested selector settings, field by field
+            for sub, v in value.items():
+                assert getattr(getattr(cfg, key), sub) == v, (key, sub)
+        else:
+            assert getattr(cfg, key) == value
 
 
 def test_override_beats_preset_and_file(tmp_path, monkeypatch):
