@@ -192,6 +192,14 @@ class SFIConfig(BaseModel):
         "lower positions; token-level selection only: page selection always takes torch's)",
     )
 
+    compact_memory_gib: float | None = Field(
+        None, gt=0.0, le=1 << 20,
+        description="memory of the compact-set pool, in GiB: as many sequences get a compact set at "
+        "once as it holds (at most max_num_seqs); a request that finds the pool full runs densely "
+        "(counted). Unset: 10% of the GPU's memory on the GPU kernel path, every sequence elsewhere "
+        "(sfi_vllm/compact_pool.py)",
+    )
+
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
                                      "under tensor/pipeline parallelism the rank-0 worker writes them")

@@ -85,7 +85,6 @@ class SFIController:
         self.vllm_config = vllm_config
         self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
         self.slot_of: dict[str, int] = {}
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.generation = [0] * self.num_slots
         self.slow_count = [0] * self.num_slots
         self.slot_cfg = [cfg] * self.num_slots
@@ -100,6 +99,12 @@ class SFIController:
         self.stats = StatsRegistry(cfg.stats_file if self.rank == 0 else None,
                                    metrics=worker_metrics() if self.rank == 0 else None)
         self._note_parallel(cfg, vllm_config)
+        # Slots below compact_slots are backed by a compact set in every layer's buffer (the pool,
+        # sfi_vllm.compact_pool); the others serve requests that run densely
+        self.pool = self._compact_pool(cfg, vllm_config)
+        self.compact_slots = self.pool.slots
+        self.free_compact = list(range(self.compact_slots - 1, -1, -1))
+        self.free_plain = list(range(self.num_slots - 1, self.compact_slots - 1, -1))
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
@@ -269,15 +274,56 @@ class SFIController:
             self.stats.note_fallback(req_id, "config_error", reason)
             return self.cfg.model_copy(update={"policy": "dense"})
 
+    def _compact_pool(self, cfg: SFIConfig, vllm_config: Any):
+        """The compact pool of this engine (:mod:`sfi_vllm.compact_pool`), logged once."""
+        from sfi_vllm.compact_pool import CompactPool, compact_bytes_per_slot, compact_pool
+
+        packed = False
+        try:
+            from vllm.platforms import current_platform
+
+            packed = current_platform.is_cuda_alike() and cfg.kernels != "torch"
+        except Exception:  # noqa: BLE001 - no vLLM platform: the reference path
+            pass
+        if cfg.compact_memory_gib is None and not packed:
+            return CompactPool(self.num_slots, self.num_slots, 0, None, "every sequence")
+        mc, parallel = vllm_config.model_config, vllm_config.parallel_config
+        layers, kv_heads = int(mc.get_num_layers(parallel)), int(mc.get_num_kv_heads(parallel))
+        head_size = int(mc.get_head_size())
+        dtype_bytes = torch.empty((), dtype=mc.dtype).element_size()
+        capacity = cfg.compact_capacity(int(self.max_model_len))
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if packed else None
+        try:
+            pool = compact_pool(max_num_seqs=self.num_slots, layers=layers, kv_heads=kv_heads, capacity=capacity,
+                                head_size=head_size, dtype_bytes=dtype_bytes, double_buffer=packed and cfg.side_stream,
+                                compact_memory_gib=cfg.compact_memory_gib, device_bytes=device_bytes)
+        except ValueError as e:
+            raise SFIConfigError(str(e)) from None
+        if self.rank == 0:
+            sets = 2 if packed and cfg.side_stream else 1
+            logger.info("sfi-vllm: %s", pool.describe(sets, layers, kv_heads, capacity, head_size, dtype_bytes))
+        assert pool.bytes_per_slot == compact_bytes_per_slot(layers, kv_heads, capacity, head_size, dtype_bytes,
+                                                              packed and cfg.side_stream)
+        return pool
+
     def _slot(self, req_id: str, extra_args: dict | None = None) -> int:
         slot = self.slot_of.get(req_id)
         if slot is None:
-            if not self.free_slots:
+            if not (self.free_compact or self.free_plain):
                 raise RuntimeError(
                     f"sfi-vllm: more than max_num_seqs={self.num_slots} requests in flight"
                 )
             cfg = self._config_for_request(req_id, extra_args)
-            slot = self.free_slots.pop()
+            if cfg.policy == "dense":  # needs no compact set: keep the pool's slots for others
+                slot = (self.free_plain or self.free_compact).pop()
+            elif self.free_compact:
+                slot = self.free_compact.pop()
+            else:
+                logger.warning("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); "
+                               "it runs with dense attention", req_id, self.compact_slots)
+                self.stats.note_fallback(req_id, "compact_pool_full")
+                cfg = self.cfg.model_copy(update={"policy": "dense"})
+                slot = self.free_plain.pop()
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
             self.trigger.configure(slot, cfg)
@@ -289,15 +335,16 @@ class SFIController:
         self.generation[slot] += 1
         self.slow_count[slot] = 0
         self.trigger.reset(torch.tensor([slot]))
-        for buf in self.buffers:
-            buf.drop(slot)
+        if slot < self.compact_slots:
+            for buf in self.buffers:
+                buf.drop(slot)
 
     def _release(self, req_id: str, preempted: bool) -> None:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self._reset(slot)
             self.slot_cfg[slot] = self.cfg
-            self.free_slots.append(slot)
+            (self.free_compact if slot < self.compact_slots else self.free_plain).append(slot)
         self.stats.finish(req_id, preempted=preempted)
 
     def on_scheduler_output(self, scheduler_output: Any) -> None:

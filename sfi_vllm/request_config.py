@@ -40,7 +40,8 @@ FLAT_PREFIX = "sfi_"
 # SFIConfig fields that a request's own settings cannot change: they size buffers, pick kernels,
 # streams and graphs, or build the trigger's vocabulary when the engine starts.
 REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
-                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read")
+                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read",
+                      "compact_memory_gib")
 
 
 class SFIRequestError(SFIConfigError):
