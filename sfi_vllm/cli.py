@@ -10,8 +10,7 @@ import sys
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from sfi_vllm.model_prep import prepare_model
 
-    path = prepare_model(args.cache_dir, force=args.force, progress=True)
-    print(path)
+    prepare_model(args.cache_dir, force=args.force, progress=True)  # prints the directory (once)
     return 0
 
 

@@ -12,6 +12,7 @@ A bad value raises :class:`SFIConfigError` naming the field and the allowed rang
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,6 +192,14 @@ class SFIConfig(BaseModel):
         "lower positions; token-level selection only: page selection always takes torch's)",
     )
 
+    compact_memory_gib: float | None = Field(
+        None, gt=0.0, le=1 << 20,
+        description="memory of the compact-set pool, in GiB: as many sequences get a compact set at "
+        "once as it holds (at most max_num_seqs); a request that finds the pool full runs densely "
+        "(counted). Unset: 10% of the GPU's memory on the GPU kernel path, every sequence elsewhere "
+        "(sfi_vllm/compact_pool.py)",
+    )
+
     # Observability.
     stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
                                      "under tensor/pipeline parallelism the rank-0 worker writes them")
@@ -314,23 +323,31 @@ def _allowed_range(loc: tuple) -> str:
     return f"{lo}value{hi}" if lo or hi else ""
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, str] | None = None) -> str:
+    """One line per error: the field (as ``field_names`` spells its location, else ``sfi.<loc>``),
+    pydantic's message, the allowed range or values, and the value given."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        name = (field_names or {}).get(tuple(e["loc"])) or f"sfi.{loc}"
         ctx = e.get("ctx") or {}
         rng = _allowed_range(e["loc"])
+        if not rng and e["type"].startswith("bool"):
+            rng = "true or false"
         allowed = f" (allowed: {rng})" if rng else ""
         if e["type"] == "literal_error" and "expected" in ctx:
             allowed = ""
         got = f"; got {e['input']!r}" if "input" in e and not isinstance(e["input"], dict) else ""
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  sfi.{loc}: {msg}{allowed}{got}")
+        lines.append(f"  {name}: {msg}{allowed}{got}")
     return "invalid SFI configuration:\n" + "\n".join(lines)
 
 
-def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = True) -> SFIConfig:
-    """Merge preset < $SFI_CONFIG file < ``overrides`` and validate."""
+def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = True,
+                 field_names: Mapping[tuple, str] | None = None) -> SFIConfig:
+    """Merge preset < $SFI_CONFIG file < ``overrides`` and validate. An error's message names
+    each field as ``field_names`` spells its location (default ``sfi.<field>``); the error's
+    ``locs`` lists the locations at fault."""
     overrides = dict(overrides or {})
     file_values: dict[str, Any] = {}
     if use_env and os.environ.get(ENV_CONFIG_FILE):
@@ -338,8 +355,11 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
     preset = overrides.get("preset", file_values.get("preset"))
     merged: dict[str, Any] = {}
     if preset is not None:
-        if not isinstance(preset, str):
-            raise SFIConfigError(f"sfi.preset: must be one of {', '.join(PRESETS)}; got {preset!r}")
+        if not isinstance(preset, str) or preset not in PRESETS:
+            error = SFIConfigError(f"{(field_names or {}).get(('preset',), 'sfi.preset')}: unknown preset "
+                                   f"{preset!r}; allowed: {', '.join(PRESETS)}")
+            error.locs = [("preset",)]
+            raise error
         merged.update(preset_values(preset))
     for layer in (file_values, overrides):
         for key, value in layer.items():
@@ -353,7 +373,9 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
     try:
         return SFIConfig.model_validate(merged)
     except ValidationError as e:
-        raise SFIConfigError(_format_validation_error(e)) from None
+        error = SFIConfigError(_format_validation_error(e, field_names))
+        error.locs = [tuple(x["loc"]) for x in e.errors()]
+        raise error from None
 
 
 def config_from_vllm(vllm_config: Any) -> SFIConfig:

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from sfi_vllm.compact import CompactBuffer
-from sfi_vllm.config import SFIConfig, SFIConfigError, build_config, config_from_vllm
+from sfi_vllm.config import SFIConfig, SFIConfigError, config_from_vllm
+from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, resolve_request_config, sfi_entries  # noqa: F401
+from sfi_vllm.metrics import worker_metrics
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
     BoundaryTokens,
@@ -33,6 +35,7 @@ from sfi_vllm.trigger import (
 
 logger = logging.getLogger("sfi_vllm")
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+MAX_CACHED_REQUEST_CONFIGS = 1024  # distinct per-request settings kept resolved
 
 
 def external_request_id(req_id: str) -> str:
@@ -76,31 +79,32 @@ class StepPlan:
         return any(self.row_needs_eager(i) for i in range(self.num_reqs))
 
 
-# SFIConfig fields that a request's own ``sfi`` overrides cannot change: they size buffers, pick
-# kernels, streams and graphs, or build the trigger's vocabulary when the engine starts.
-REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
-                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read")
-
-
 class SFIController:
     def __init__(self, cfg: SFIConfig, vllm_config: Any) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
         self.slot_of: dict[str, int] = {}
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.generation = [0] * self.num_slots
         self.slow_count = [0] * self.num_slots
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against
         self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        self.limits = EngineLimits.for_engine(cfg, self.max_model_len)
         # Under tensor or pipeline parallelism every worker plans the same steps and records the
         # same per-request statistics; only the rank-0 worker appends them to the stats file, so
         # a request has one record there whatever the parallel layout.
         self.rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
-        self.stats = StatsRegistry(cfg.stats_file if self.rank == 0 else None)
+        self.stats = StatsRegistry(cfg.stats_file if self.rank == 0 else None,
+                                   metrics=worker_metrics() if self.rank == 0 else None)
         self._note_parallel(cfg, vllm_config)
+        # Slots below compact_slots are backed by a compact set in every layer's buffer (the pool,
+        # sfi_vllm.compact_pool); the others serve requests that run densely
+        self.pool = self._compact_pool(cfg, vllm_config)
+        self.compact_slots = self.pool.slots
+        self.free_compact = list(range(self.compact_slots - 1, -1, -1))
+        self.free_plain = list(range(self.num_slots - 1, self.compact_slots - 1, -1))
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
@@ -237,61 +241,89 @@ class SFIController:
         return len(self.buffers) - 1
 
     # -- request lifecycle ----------------------------------------------------------------------
-    def request_config(self, overrides: dict | None) -> SFIConfig:
-        """The engine's config with a request's own ``sfi`` overrides (``SamplingParams.extra_args``)."""
-        if not overrides:
+    def request_config(self, extra_args: dict | None) -> SFIConfig:
+        """The config a request runs with: the engine's, or the request's own settings in its
+        ``SamplingParams.extra_args`` merged over it (:mod:`sfi_vllm.request_config`, the same
+        function the front end validates requests with). Raises SFIRequestError naming the field."""
+        sfi_args = sfi_entries(extra_args)
+        if not sfi_args:
             return self.cfg
-        key = json.dumps(overrides, sort_keys=True)
-        cfg = self._request_cfgs.get(key)
+        try:
+            key = json.dumps(sfi_args, sort_keys=True, default=repr)
+        except (TypeError, ValueError):  # keys of mixed types: not cached
+            key = None
+        cfg = self._request_cfgs.get(key) if key is not None else None
         if cfg is None:
-            base = self.cfg.model_dump(exclude_defaults=True)
-            merged = {**base, **overrides}
-            if "selector" in overrides and "selector" in base:
-                merged["selector"] = {**base["selector"], **overrides["selector"]}
-            if overrides.get("selected_fraction") is not None and "selected_tokens" not in overrides:
-                merged.pop("selected_tokens", None)
-            cfg = build_config(merged, use_env=False)
-            self._check_request_config(cfg, overrides)
-            self._request_cfgs[key] = cfg
+            cfg = resolve_request_config(self.limits, sfi_args, where="extra_args")
+            if key is not None:
+                if len(self._request_cfgs) >= MAX_CACHED_REQUEST_CONFIGS:
+                    self._request_cfgs.clear()
+                self._request_cfgs[key] = cfg
         return cfg
 
-    def _check_request_config(self, cfg: SFIConfig, overrides: dict) -> None:
-        """What a request may not change: the settings the engine fixes at start-up (kernels,
-        streams, graphs, the stats file, the trigger's vocabulary), a compact set larger than the
-        engine's buffers hold, and a boundary trigger the engine has no sentence enders for.
-        Raised as SFIConfigError, so the request runs densely and its statistics say why."""
-        for key in REQUEST_FIXED_KEYS:
-            if key in overrides and getattr(cfg, key) != getattr(self.cfg, key):
-                raise SFIConfigError(f"sfi.{key} is an engine-wide setting; a request cannot change it "
-                                     f"(engine: {getattr(self.cfg, key)!r}, request: {overrides[key]!r}); "
-                                     "set it in the engine's --additional-config")
-        if self.max_model_len:
-            need, have = cfg.compact_capacity(self.max_model_len), self.cfg.compact_capacity(self.max_model_len)
-            if cfg.policy != "dense" and need > have:
-                raise SFIConfigError(f"the request's sinks + K reach {need} tokens at max_model_len "
-                                     f"{self.max_model_len}, more than the engine's compact buffers hold "
-                                     f"({have}: its own sinks + K); raise the engine's sfi.selected_tokens "
-                                     "(or selected_cap) or ask for fewer")
-        if cfg.boundary_trigger and cfg.refreshes_selection and not self.trigger.has_boundary:
-            raise SFIConfigError("sfi.boundary_trigger: the engine has no sentence-ender token ids "
-                                 "(it started with the boundary trigger off and no boundary_token_ids)")
+    def _config_for_request(self, req_id: str, extra_args: dict | None) -> SFIConfig:
+        """:meth:`request_config`, except that a worker never fails for one request's settings:
+        the front end rejects bad ones with a 400 before they get here, and any that still fail
+        (or any other error while resolving them) make that request run with dense attention,
+        logged, recorded in its statistics (``config_error``) and counted in the metrics."""
+        try:
+            return self.request_config(extra_args)
+        except Exception as e:  # noqa: BLE001 - one request's settings must not stop the engine
+            reason = str(e) if isinstance(e, SFIConfigError) else f"{type(e).__name__}: {e}"
+            logger.error("sfi-vllm: request %s: %s; it runs with dense attention", req_id, reason)
+            self.stats.note_fallback(req_id, "config_error", reason)
+            return self.cfg.model_copy(update={"policy": "dense"})
 
-    def _slot(self, req_id: str, overrides: dict | None = None) -> int:
+    def _compact_pool(self, cfg: SFIConfig, vllm_config: Any):
+        """The compact pool of this engine (:mod:`sfi_vllm.compact_pool`), logged once."""
+        from sfi_vllm.compact_pool import CompactPool, compact_bytes_per_slot, compact_pool
+
+        packed = False
+        try:
+            from vllm.platforms import current_platform
+
+            packed = current_platform.is_cuda_alike() and cfg.kernels != "torch"
+        except Exception:  # noqa: BLE001 - no vLLM platform: the reference path
+            pass
+        if cfg.compact_memory_gib is None and not packed:
+            return CompactPool(self.num_slots, self.num_slots, 0, None, "every sequence")
+        mc, parallel = vllm_config.model_config, vllm_config.parallel_config
+        layers, kv_heads = int(mc.get_num_layers(parallel)), int(mc.get_num_kv_heads(parallel))
+        head_size = int(mc.get_head_size())
+        dtype_bytes = torch.empty((), dtype=mc.dtype).element_size()
+        capacity = cfg.compact_capacity(int(self.max_model_len))
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if packed else None
+        try:
+            pool = compact_pool(max_num_seqs=self.num_slots, layers=layers, kv_heads=kv_heads, capacity=capacity,
+                                head_size=head_size, dtype_bytes=dtype_bytes, double_buffer=packed and cfg.side_stream,
+                                compact_memory_gib=cfg.compact_memory_gib, device_bytes=device_bytes)
+        except ValueError as e:
+            raise SFIConfigError(str(e)) from None
+        if self.rank == 0:
+            sets = 2 if packed and cfg.side_stream else 1
+            logger.info("sfi-vllm: %s", pool.describe(sets, layers, kv_heads, capacity, head_size, dtype_bytes))
+        assert pool.bytes_per_slot == compact_bytes_per_slot(layers, kv_heads, capacity, head_size, dtype_bytes,
+                                                              packed and cfg.side_stream)
+        return pool
+
+    def _slot(self, req_id: str, extra_args: dict | None = None) -> int:
         slot = self.slot_of.get(req_id)
         if slot is None:
-            if not self.free_slots:
+            if not (self.free_compact or self.free_plain):
                 raise RuntimeError(
                     f"sfi-vllm: more than max_num_seqs={self.num_slots} requests in flight"
                 )
-            try:
-                cfg = self.request_config(overrides)
-            except SFIConfigError as e:
-                # A worker must not die for one request's settings: run it densely, say so loudly,
-                # and record it in the request's statistics.
-                logger.error("sfi-vllm: request %s: %s; it runs with dense attention", req_id, e)
-                cfg = self.request_config({"policy": "dense"})
-                self.stats.get(req_id).config_error = str(e)
-            slot = self.free_slots.pop()
+            cfg = self._config_for_request(req_id, extra_args)
+            if cfg.policy == "dense":  # needs no compact set: keep the pool's slots for others
+                slot = (self.free_plain or self.free_compact).pop()
+            elif self.free_compact:
+                slot = self.free_compact.pop()
+            else:
+                logger.warning("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); "
+                               "it runs with dense attention", req_id, self.compact_slots)
+                self.stats.note_fallback(req_id, "compact_pool_full")
+                cfg = self.cfg.model_copy(update={"policy": "dense"})
+                slot = self.free_plain.pop()
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
             self.trigger.configure(slot, cfg)
@@ -303,15 +335,16 @@ class SFIController:
         self.generation[slot] += 1
         self.slow_count[slot] = 0
         self.trigger.reset(torch.tensor([slot]))
-        for buf in self.buffers:
-            buf.drop(slot)
+        if slot < self.compact_slots:
+            for buf in self.buffers:
+                buf.drop(slot)
 
     def _release(self, req_id: str, preempted: bool) -> None:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self._reset(slot)
             self.slot_cfg[slot] = self.cfg
-            self.free_slots.append(slot)
+            (self.free_compact if slot < self.compact_slots else self.free_plain).append(slot)
         self.stats.finish(req_id, preempted=preempted)
 
     def on_scheduler_output(self, scheduler_output: Any) -> None:
@@ -329,16 +362,17 @@ class SFIController:
         num_computed: np.ndarray,
         prompt_lens: list[int],
         first_input_tokens: torch.Tensor,
-        request_overrides: list[dict | None] | None = None,
+        request_extra_args: list[dict | None] | None = None,
     ) -> StepPlan:
         """Classify each row, run the trigger for decode rows and record statistics.
 
         ``first_input_tokens[i]`` is row i's first input token (for a decode row, the token
-        sampled last step).
+        sampled last step). ``request_extra_args[i]``: row i's ``SamplingParams.extra_args``
+        (its own SFI settings, read when the request first appears).
         """
         n = len(req_ids)
-        overrides = request_overrides or [None] * n
-        slots = [self._slot(r, o) for r, o in zip(req_ids, overrides)]
+        extra_args = request_extra_args or [None] * n
+        slots = [self._slot(r, x) for r, x in zip(req_ids, extra_args)]
         modes = [int(StepMode.PREFILL)] * n
         reasons = [int(SlowReason.NONE)] * n
         context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
@@ -438,6 +472,7 @@ class SFIController:
         if self._step_refresh is not None:
             self._step_refresh.flush(self)
         self.current_plan = None
+        self.stats.flush_metrics()
 
 
 _CONTROLLER: SFIController | None = None

@@ -4,7 +4,8 @@
 * adds ``SFI`` as an alias of ``CUSTOM`` in the enum's member map, so ``--attention-backend sfi``
   (parsed as ``AttentionBackendEnum[value.upper()]``) works; vLLM 0.26/0.27 have no public alias
   mechanism, and an alias to CUSTOM (value None, present in every process) survives pickling;
-* installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check);
+* installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check,
+  the front end's check of each request's SFI settings);
 * sends the ``sfi_vllm`` loggers' records to vLLM's log handlers (:func:`share_vllm_log_handlers`).
 
 It must be idempotent and cheap, and must not initialise CUDA (vLLM would then switch to spawn).
@@ -67,9 +68,10 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, path)
     AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
 
-    from sfi_vllm.patches import config_check
+    from sfi_vllm.patches import config_check, request_check
 
     config_check.install()
+    request_check.install()
     if current_platform.is_cpu():
         from sfi_vllm.patches import cpu_platform
 

@@ -49,6 +49,9 @@ class RequestStats:
     decode_context_tokens: int = 0
     preemptions: int = 0
     policy: str = "sfi"
+    # why the request ran with dense attention instead of the SFI settings it asked for (None: it
+    # did not); config_error holds the message when the reason is "config_error"
+    fallback: str | None = None
     config_error: str | None = None
 
     @property
@@ -95,8 +98,15 @@ REASON_NAMES = {
 
 
 class StatsRegistry:
-    def __init__(self, stats_file: str | None = None) -> None:
+    """Per-request statistics of one worker. With ``metrics`` (:class:`sfi_vllm.metrics.SFIMetrics`)
+    the same calls feed SFI's Prometheus metrics: tallied here, written by :meth:`flush_metrics`
+    once per engine step."""
+
+    def __init__(self, stats_file: str | None = None, metrics=None) -> None:
         self._lock = threading.Lock()
+        self.metrics = metrics
+        self._steps: Counter = Counter()
+        self._fast_sums = [0, 0, 0]  # attended, context, evaluations
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.stats_file = stats_file
@@ -114,18 +124,22 @@ class StatsRegistry:
         if mode == StepMode.PREFILL:
             st.prefill_steps += 1
             st.prompt_tokens = max(st.prompt_tokens, context_len)
+            self._steps["prefill", None] += 1
             return
         st.decode_context_tokens += context_len
         if mode == StepMode.DENSE:
             st.dense_steps += 1
             st.full_context_tokens += context_len
+            self._steps["dense", None] += 1
         elif mode == StepMode.FAST:
             st.fast_steps += 1
+            self._steps["fast", None] += 1
         else:
             st.slow_steps += 1
             st.full_context_tokens += context_len
             name = REASON_NAMES[SlowReason(reason)]
             st.slow_reasons[name] += 1
+            self._steps["slow", name] += 1
             if len(st.slow_events) < MAX_EVENTS:
                 st.slow_events.append((st.decode_steps - 1, context_len, name))
 
@@ -134,15 +148,45 @@ class StatsRegistry:
         st.fast_attended_tokens += attended
         st.fast_context_tokens += context_len
         st.fast_layer_evals += 1
+        sums = self._fast_sums
+        sums[0] += attended
+        sums[1] += context_len
+        sums[2] += 1
+
+    def note_fallback(self, req_id: str, reason: str, detail: str | None = None) -> None:
+        """The request runs with dense attention instead of its SFI settings, for ``reason``."""
+        st = self.get(req_id)
+        st.fallback = reason
+        if reason == "config_error":
+            st.config_error = detail
+        if self.metrics is not None:
+            self.metrics.fallbacks.labels(reason=reason).inc()
+
+    def flush_metrics(self) -> None:
+        """Write the step tallies gathered since the last call to the metrics (once per step)."""
+        if self.metrics is None or not (self._steps or self._fast_sums[2]):
+            return
+        self.metrics.write(self._steps, self._fast_sums)
+        self._steps = Counter()
+        self._fast_sums = [0, 0, 0]
+
+    def observe_selection(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.selection_seconds.observe(seconds)
 
     def finish(self, req_id: str, preempted: bool = False) -> None:
         if preempted:
             if req_id in self.active:
                 self.active[req_id].preemptions += 1
+                self._steps["preempted", None] += 1
             return
         st = self.active.pop(req_id, None)
         if st is None:
             return
+        if self.metrics is not None:
+            self.metrics.requests.labels(policy=st.policy).inc()
+            if st.fast_context_tokens:
+                self.metrics.attended_fraction.observe(st.attended_fraction)
         with self._lock:
             self.finished[req_id] = st
             while len(self.finished) > KEEP_FINISHED:

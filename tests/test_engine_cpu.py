@@ -54,7 +54,9 @@ def dense(model_dir, prompts):
 
 @pytest.fixture(scope="session")
 def sfi_full(model_dir, prompts):
-    return _job(model_dir, prompts, attention_backend="sfi", sfi=FULL_BUDGET)
+    # phase 1 asks the same prompts again: their prefills are prefix-cache hits
+    requests = [{"prompt": p, "phase": phase} for phase in (0, 1) for p in prompts]
+    return _job(model_dir, None, requests=requests, attention_backend="sfi", sfi=FULL_BUDGET)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +78,14 @@ def sfi_tensor_parallel(model_dir, prompts):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(TP))}
     return _job(model_dir, prompts, env=env, attention_backend="sfi", sfi=NO_EXCLUSIVITY,
                 engine={"block_size": 16, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"})
+
+
+@pytest.fixture(scope="session")
+def sfi_full_preempted(model_dir, prompts):
+    # 7 KV blocks of 128 tokens: two of the ~340-token prompts fit with one block to spare, so when
+    # both need a fourth block one preempts the other (recomputed later)
+    return _job(model_dir, prompts, attention_backend="sfi", sfi=FULL_BUDGET,
+                engine={"max_model_len": 512, "num_gpu_blocks_override": 7})
 
 
 def _stats(result, out):
@@ -153,3 +163,24 @@ def test_tensor_parallel_workers_match_one_worker(sfi_no_exclusivity, sfi_tensor
         for key in ("slow_events", "fast_steps", "decode_steps"):
             assert st_tp[key] == st_one[key], key
             assert all(rank[tp["request_id"]][key] == st_tp[key] for rank in by_rank), key
+
+
+def test_preemption_keeps_full_budget_sfi_identical_to_dense(dense, sfi_full_preempted):
+    """A preempted request's SFI state is reset and rebuilt from its recomputed prefill:
+    full-budget SFI still generates exactly what dense attention does without preemption."""
+    res = sfi_full_preempted
+    assert sum(_stats(res, o)["preemptions"] for o in res["outputs"]) > 0, "no request was preempted"
+    for d, s in zip(dense["outputs"], res["outputs"]):
+        assert s["token_ids"] == d["token_ids"]
+        assert _stats(res, s)["fast_steps"] > 0
+
+
+def test_prefix_cache_hits_keep_full_budget_sfi_identical_to_dense(dense, sfi_full):
+    """A request whose prompt comes from the prefix cache starts from a partial prefill; full-budget
+    SFI still generates exactly what dense attention does."""
+    n = len(dense["outputs"])
+    again = sfi_full["outputs"][n:]
+    assert len(again) == n and all(o["cached_tokens"] for o in again), [o["cached_tokens"] for o in again]
+    for d, s in zip(dense["outputs"], again):
+        assert s["token_ids"] == d["token_ids"]
+        assert _stats(sfi_full, s)["fast_steps"] > 0

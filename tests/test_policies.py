@@ -21,7 +21,7 @@ def controller(sfi=None, n=4):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_validates_at_its_budget(policy):
     ctl = controller()
-    cfg = ctl.request_config(policy_overrides(policy, 0.1, 4096))
+    cfg = ctl.request_config({"sfi": policy_overrides(policy, 0.1, 4096)})
     assert cfg.policy == policy.split("-")[0] if policy.startswith("sfi") else cfg.policy == policy
     if policy not in ("dense",):
         s, w, k = cfg.sinks, cfg.recent_window, cfg.selected_budget(4096)
@@ -36,7 +36,7 @@ def test_working_set_sizes():
 def test_per_request_policies_drive_the_trigger():
     ctl = controller({"reuse_budget": 3}, n=5)
     reqs = ["d", "s", "k", "q", "f"]
-    over = [policy_overrides(p, 0.2, 1000) for p in ("dense", "streaming", "snapkv", "quest", "sfi")]
+    over = [{"sfi": policy_overrides(p, 0.2, 1000)} for p in ("dense", "streaming", "snapkv", "quest", "sfi")]
     modes = []
     for step in range(6):
         p = ctl.plan_step(reqs, np.ones(5, int), np.full(5, 1000 + step), [900] * 5,
@@ -53,14 +53,14 @@ def test_per_request_policies_drive_the_trigger():
 
 def test_bad_request_config_runs_dense_and_is_recorded():
     ctl = controller()
-    p = ctl.plan_step(["x"], np.ones(1, int), np.array([500]), [400], torch.tensor([3]), [{"sinks": -1}])
+    p = ctl.plan_step(["x"], np.ones(1, int), np.array([500]), [400], torch.tensor([3]), [{"sfi": {"sinks": -1}}])
     assert p.modes == [StepMode.DENSE]
-    assert "sfi.sinks" in ctl.stats.get("x").config_error
+    assert "extra_args.sfi.sinks" in ctl.stats.get("x").config_error
 
 
 def _layer_out(policy_over, seq_len=900, seed=0):
     ctl = controller()
-    cfg = ctl.request_config(policy_over)
+    cfg = ctl.request_config({"sfi": policy_over})
     layer = SFILayer(ctl, 9, 3, 64, 0.125)
     paged, cam, q, ks, vs = make_batch("flash", 16, [seq_len], [1], seed=seed)
     layer.refresh(make_step(plan_for([StepMode.SLOW], cfg=cfg), cam, lambda s: None), paged, q, 0)
@@ -118,13 +118,13 @@ def test_request_cannot_change_engine_wide_settings_or_outgrow_the_buffers():
                         ({"kernels": "torch"}, "sfi.kernels is an engine-wide setting"),
                         ({"boundary_token_ids": [1, 2]}, "sfi.boundary_token_ids is an engine-wide"),
                         ({"selected_tokens": 1025}, "more than the engine's compact buffers hold (1028"))):
-        p = ctl.plan_step([f"r{i}"], np.ones(1, int), np.array([500]), [400], torch.tensor([3]), [bad])
+        p = ctl.plan_step([f"r{i}"], np.ones(1, int), np.array([500]), [400], torch.tensor([3]), [{"sfi": bad}])
         assert p.modes == [StepMode.DENSE], bad  # run densely, recorded
         assert needle in ctl.stats.get(f"r{i}").config_error, ctl.stats.get(f"r{i}").config_error
     # the same value as the engine's, a smaller K, or a fraction that stays inside: accepted
     for ok in ({"side_stream": True}, {"selected_tokens": 512}, {"selected_fraction": 0.1, "selected_cap": 1024}):
-        assert ctl.request_config(ok).policy == "sfi"
+        assert ctl.request_config({"sfi": ok}).policy == "sfi"
     # a boundary trigger the engine has no enders for
     ctl = ctl_with_len({"boundary_trigger": False, "boundary_token_ids": None})
-    with pytest.raises(Exception, match="no sentence-ender token ids"):
-        ctl.request_config({"boundary_trigger": True})
+    with pytest.raises(Exception, match="needs sentence-ender token ids"):
+        ctl.request_config({"sfi": {"boundary_trigger": True}})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -318,6 +319,7 @@ class SFILayer:
                     bt.record_stream(side)
                     self._refresh_packed(step, paged, q_rows, bt, group)
             return
+        t0 = time.perf_counter()  # the reference path runs synchronously on the host: timed
         for row in rows:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
@@ -334,6 +336,8 @@ class SFILayer:
             else:  # nothing to select, or every candidate fits: no need to score
                 selected = torch.arange(sinks, sinks + k, device=bt.device).expand(self.num_kv_heads, -1)
             self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
+        if rows and query.device.type == "cpu":
+            self.controller.stats.observe_selection(time.perf_counter() - t0)
 
     def _refresh_packed(self, step: SFIStep, paged: PagedKV, q_rows: torch.Tensor, bt: torch.Tensor,
                         rows: list[int]) -> None:

@@ -173,7 +173,7 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             ctl.fast_workspace = torch.empty(numel, dtype=torch.float32,
                                              device=torch.device("cuda", torch.cuda.current_device()))
             logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)
-        slots = int(vllm_config.scheduler_config.max_num_seqs)
+        slots = ctl.compact_slots  # the pool (sfi_vllm.compact_pool), at most max_num_seqs
         capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))
         dtype = vllm_config.model_config.dtype
         sets = 2 if cfg.side_stream else 1  # double-buffered when refreshed on a second stream

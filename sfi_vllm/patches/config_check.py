@@ -11,6 +11,8 @@ backend is CUSTOM and sfi-vllm registered it, we:
   value stops start-up with a message that names the field and its allowed range;
 * reject what SFI cannot serve: speculative decoding, encoder-decoder models, MLA, hybrid models
   whose layers are not all full attention (checked per layer later), and;
+* give the front end's check of each request's SFI settings the engine's limits
+  (:mod:`sfi_vllm.request_validation`);
 * on CUDA, select the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): sfi-vllm's step hook is
   written for it (:mod:`sfi_vllm.patches.runner_hooks`). An explicit ``VLLM_USE_V2_MODEL_RUNNER=1``
   is refused.
@@ -70,7 +72,18 @@ def check_sfi_engine(vllm_config) -> None:
         if env is None:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             logger.info("sfi-vllm: using vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+    if model_config is not None:
+        install_request_validation(cfg, model_config)
     logger.info("sfi-vllm on vLLM %s: %s", version, cfg.model_dump(exclude_defaults=True) or "defaults")
+
+
+def install_request_validation(cfg, model_config) -> None:
+    """Make this process's front end check every request's SFI settings against this engine
+    (:mod:`sfi_vllm.request_validation`, called from :mod:`sfi_vllm.patches.request_check`)."""
+    from sfi_vllm.request_config import EngineLimits
+    from sfi_vllm.request_validation import set_engine_limits
+
+    set_engine_limits(EngineLimits.for_engine(cfg, getattr(model_config, "max_model_len", None)))
 
 
 def install() -> None:
@@ -85,6 +98,10 @@ def install() -> None:
     def check_and_update_config(cls, vllm_config) -> None:
         if sfi_selected(vllm_config):
             check_sfi_engine(vllm_config)
+        else:  # a non-SFI engine: requests are not checked against an earlier SFI engine's limits
+            from sfi_vllm.request_validation import set_engine_limits
+
+            set_engine_limits(None)
         return original(cls, vllm_config)
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

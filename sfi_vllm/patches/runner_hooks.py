@@ -48,12 +48,13 @@ def _runner_step_inputs(runner, num_scheduled_tokens):
     total = int(sum(int(x) for x in num_scheduled_tokens[:num_reqs]))
     input_ids = runner.input_ids.gpu[:total]
     first_tokens = input_ids[to_device(starts, input_ids.device)]  # stays on the device: no sync
-    overrides = []  # a request's own SFI settings: SamplingParams(extra_args={"sfi": {...}})
+    # a request's own SFI settings are in its extra_args (sfi_vllm.request_config); the controller
+    # reads them only when the request first appears
+    extra_args = []
     for r in req_ids:
         params = getattr(runner.requests[r], "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
-        overrides.append(extra.get("sfi") if isinstance(extra, dict) else None)
-    return req_ids, num_computed, prompt_lens, first_tokens, overrides
+        extra_args.append(getattr(params, "extra_args", None))
+    return req_ids, num_computed, prompt_lens, first_tokens, extra_args
 
 
 def install() -> None:
@@ -78,11 +79,11 @@ def install() -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         ctl = current_controller()
         if ctl is not None:
-            req_ids, num_computed, prompt_lens, first_tokens, overrides = _runner_step_inputs(
+            req_ids, num_computed, prompt_lens, first_tokens, extra_args = _runner_step_inputs(
                 self, num_scheduled_tokens
             )
             ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens,
-                          overrides)
+                          extra_args)
         return out
 
     @functools.wraps(orig_execute)

@@ -1,0 +1,227 @@
+"""A request's own SFI settings: how they are read from ``SamplingParams.extra_args``, merged over
+the engine's :class:`~sfi_vllm.config.SFIConfig` and checked against what the engine fixed at
+start-up. The front end (:mod:`sfi_vllm.request_validation`, before a request reaches the engine)
+and the worker (:class:`~sfi_vllm.controller.SFIController`) call the same
+:func:`resolve_request_config`, so a request the front end accepts is configured identically in
+the worker.
+
+Two forms, which may be combined (a field given twice is an error):
+
+* ``extra_args["sfi"]``: a mapping of SFIConfig fields (``SamplingParams(extra_args={"sfi":
+  {"selected_tokens": 512, "selector": {"alpha": 1.0}}})``), or the same object as a JSON string.
+  The JSON string is what the OpenAI API can carry (``vllm_xargs`` holds only strings, numbers and
+  lists, so a nested object gets a 400 from vLLM itself).
+* flat keys, one per field: ``sfi_<field>`` for every top-level field of SFIConfig and
+  ``sfi_selector_<field>`` for every field of its ``selector``
+  (``extra_body={"vllm_xargs": {"sfi_policy": "dense"}}``). The names are derived from the
+  models' fields (:func:`flat_keys`), so a new field is a new key. Any other key that starts with
+  ``sfi_`` is an error.
+
+A request may not change the settings the engine fixes at start-up (``REQUEST_FIXED_KEYS``), ask
+for a compact set larger than the engine's buffers hold, or turn on a boundary trigger the engine
+has no sentence-ender ids for; those raise :class:`SFIRequestError` like a malformed value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel
+
+from sfi_vllm.config import SFIConfig, SFIConfigError, build_config
+
+REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
+FLAT_PREFIX = "sfi_"
+
+# SFIConfig fields that a request's own settings cannot change: they size buffers, pick kernels,
+# streams and graphs, or build the trigger's vocabulary when the engine starts.
+REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
+                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read",
+                      "compact_memory_gib")
+
+
+class SFIRequestError(SFIConfigError):
+    """A request's SFI settings are malformed or not allowed on this engine. ``param`` names the
+    request field at fault as the client wrote it (``vllm_xargs.sfi_selected_tokens``,
+    ``extra_args.sfi.selector.alpha``), or the request's SFI settings as a whole."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine fixed at start-up that bounds a request's settings."""
+
+    cfg: SFIConfig
+    max_model_len: int | None  # the longest context: the compact buffers hold sinks + K at it
+    has_boundary: bool  # the engine built sentence-ender ids (boundary trigger on, or explicit ids)
+
+    @classmethod
+    def for_engine(cls, cfg: SFIConfig, max_model_len: int | None) -> "EngineLimits":
+        # the controller builds enders exactly when these hold (SFIController._boundary_tokens)
+        return cls(cfg, max_model_len, cfg.boundary_token_ids is not None or cfg.boundary_trigger)
+
+
+def _nested_models() -> dict[str, type[BaseModel]]:
+    out = {}
+    for name, f in SFIConfig.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out[name] = f.annotation
+    return out
+
+
+@lru_cache(maxsize=1)
+def flat_keys() -> dict[str, tuple[str, ...]]:
+    """Every flat request key and the field path it sets: ``sfi_<field>`` for SFIConfig's
+    top-level fields, ``sfi_<model field>_<field>`` for the fields of its nested models
+    (``sfi_selector_alpha``). A top-level field wins over a nested one of the same flat name
+    (``tests/test_request_config.py`` checks that none clash)."""
+    keys: dict[str, tuple[str, ...]] = {}
+    nested = _nested_models()
+    for outer, model in nested.items():
+        for inner in model.model_fields:
+            keys[f"{FLAT_PREFIX}{outer}_{inner}"] = (outer, inner)
+    for name in SFIConfig.model_fields:
+        if name not in nested:
+            keys[f"{FLAT_PREFIX}{name}"] = (name,)
+    return keys
+
+
+def _allowed_keys_text() -> str:
+    return ", ".join(sorted(flat_keys()))
+
+
+def sfi_entries(extra_args: Any) -> dict[str, Any]:
+    """The entries of ``extra_args`` that are SFI settings (``sfi`` and ``sfi_*``)."""
+    if not isinstance(extra_args, Mapping):
+        return {}
+    return {k: v for k, v in extra_args.items()
+            if isinstance(k, str) and (k == REQUEST_KEY or k.startswith(FLAT_PREFIX))}
+
+
+def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[str, Any], dict[tuple, str]] | None:
+    """The SFI overrides a request carries in ``extra_args`` (None: none), as one nested dict of
+    SFIConfig fields, and for each field path the name the client used (for error messages).
+    Raises :class:`SFIRequestError` for a malformed ``sfi`` entry, an unknown ``sfi_*`` key or a
+    field given twice. ``where`` prefixes the names (``vllm_xargs`` over HTTP)."""
+    if extra_args is None:
+        return None
+    if not isinstance(extra_args, Mapping):
+        return None  # vLLM's own validation owns extra_args' type
+    overrides: dict[str, Any] = {}
+    names: dict[tuple, str] = {}
+
+    def put(path: tuple[str, ...], value: Any, name: str) -> None:
+        clash = [n for p, n in names.items() if p == path or p[:1] == path[:1] and (len(p) == 1 or len(path) == 1)]
+        if clash:
+            raise SFIRequestError(f"{name}: sfi.{'.'.join(path)} is given twice (also as {clash[0]})", name)
+        names[path] = name
+        if len(path) == 1:
+            overrides[path[0]] = value
+        else:
+            overrides.setdefault(path[0], {})[path[1]] = value
+
+    if REQUEST_KEY in extra_args:
+        raw = extra_args[REQUEST_KEY]
+        name = f"{where}.{REQUEST_KEY}"
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
+                                      f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise SFIRequestError(f"{name}: must be an object of SFI settings (a mapping, or a JSON object "
+                                  f"as a string); got {type(raw).__name__} {raw!r}", name)
+        nested = _nested_models()
+        for key, value in raw.items():
+            if not isinstance(key, str) or key not in SFIConfig.model_fields:
+                raise SFIRequestError(f"{name}: unknown SFI setting {key!r}; allowed: "
+                                      f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
+            if key in nested and isinstance(value, Mapping):
+                for inner, v in value.items():
+                    put((key, str(inner)), v, f"{name}.{key}.{inner}")
+            else:
+                put((key,), value, f"{name}.{key}")
+    keys = flat_keys()
+    for key, value in extra_args.items():
+        if not isinstance(key, str) or not key.startswith(FLAT_PREFIX):
+            continue
+        path = keys.get(key)
+        if path is None:
+            raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "
+                                  f"and {REQUEST_KEY} (a JSON object)", f"{where}.{key}")
+        put(path, value, f"{where}.{key}")
+    if not names:
+        return None
+    return overrides, names
+
+
+def merge_request_config(base: SFIConfig, overrides: Mapping[str, Any],
+                         names: Mapping[tuple, str] | None = None) -> SFIConfig:
+    """``base`` (the engine's config) with a request's ``overrides`` (nested SFIConfig fields)
+    applied field by field, validated by SFIConfig. A fraction the request gives replaces the
+    engine's fixed K. Errors name the request's own keys when ``names`` maps them."""
+    engine = base.model_dump(exclude_defaults=True)
+    merged = {**engine, **overrides}
+    for key, value in overrides.items():
+        if key in engine and isinstance(engine[key], dict) and isinstance(value, Mapping):
+            merged[key] = {**engine[key], **value}
+    if overrides.get("selected_fraction") is not None and "selected_tokens" not in overrides:
+        merged.pop("selected_tokens", None)
+    return build_config(merged, use_env=False, field_names=names)
+
+
+def check_request_config(limits: EngineLimits, cfg: SFIConfig, overrides: Mapping[str, Any],
+                         names: Mapping[tuple, str]) -> None:
+    """What a request may not change: the settings the engine fixes at start-up, a compact set
+    larger than the engine's buffers hold, a boundary trigger the engine has no enders for."""
+    engine = limits.cfg
+    for key in REQUEST_FIXED_KEYS:
+        if key in overrides and getattr(cfg, key) != getattr(engine, key):
+            name = names.get((key,), f"sfi.{key}")
+            raise SFIRequestError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
+                                  f"(engine: {getattr(engine, key)!r}, request: {overrides[key]!r}); "
+                                  "set it in the engine's --additional-config", name)
+    if limits.max_model_len:
+        need = cfg.compact_capacity(limits.max_model_len)
+        have = engine.compact_capacity(limits.max_model_len)
+        if cfg.policy != "dense" and need > have:
+            budget = [n for p, n in names.items() if p[0] in ("selected_tokens", "selected_fraction",
+                                                               "selected_cap", "sinks", "policy")]
+            name = budget[0] if budget else REQUEST_KEY
+            raise SFIRequestError(f"{name}: the request's sinks + K reach {need} tokens at max_model_len "
+                                  f"{limits.max_model_len}, more than the engine's compact buffers hold "
+                                  f"({have}: its own sinks + K); allowed: sinks + K <= {have}. Ask for fewer, "
+                                  "or raise the engine's sfi.selected_tokens (or selected_cap)", name)
+    if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary:
+        name = names.get(("boundary_trigger",)) or names.get(("policy",)) or REQUEST_KEY
+        raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "
+                              "has none (it started with sfi.boundary_trigger false and no boundary_token_ids); "
+                              "allowed: boundary_trigger false", name)
+
+
+def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs") -> SFIConfig:
+    """The config a request runs with: the engine's, or its own settings merged over it (see the
+    module doc). Raises :class:`SFIRequestError` naming the field."""
+    parsed = request_overrides(extra_args, where)
+    if parsed is None:
+        return limits.cfg
+    overrides, names = parsed
+    try:  # an error of several fields together (e.g. min_gap > reuse_budget) is named ``where``
+        cfg = merge_request_config(limits.cfg, overrides, {**names, (): where})
+    except SFIRequestError:
+        raise
+    except SFIConfigError as e:
+        at = [names[loc] for loc in getattr(e, "locs", ()) if loc in names]
+        raise SFIRequestError(str(e), at[0] if at else next(iter(names.values()))) from None
+    check_request_config(limits, cfg, overrides, names)
+    return cfg

@@ -1,0 +1,56 @@
+"""Reject a request's bad SFI settings in vLLM's front end, before the request reaches the engine.
+
+The front end (the OpenAI server's API process, or the ``LLM`` front end) knows the engine's SFI
+configuration from the start-up check (:mod:`sfi_vllm.patches.config_check` calls
+:func:`set_engine_limits`). For every generate request, :func:`validate_request_params` runs
+:func:`sfi_vllm.request_config.resolve_request_config`, the function the worker configures
+requests with, and raises ``VLLMValidationError`` naming the field: vLLM answers it with an
+HTTP 400 whose ``param`` is that field (offline, ``LLM.generate`` raises it). It is called from
+the platform's ``validate_request`` (:mod:`sfi_vllm.patches.request_check`, which says why that
+hook and not a logits processor's ``validate_params``).
+
+Streaming requests: vLLM checks a request on the stream's first iteration, after the route has
+answered 200, so a rejected streaming request gets its 400 as an ``error`` event in the stream
+(``{"error": {"code": 400, "param": ..., "message": ...}}``), as every other validation error of
+vLLM's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sfi_vllm.request_config import EngineLimits, SFIRequestError, resolve_request_config
+
+_LIMITS: EngineLimits | None = None
+
+
+def set_engine_limits(limits: EngineLimits | None) -> None:
+    """The SFI engine this process validates requests for (set when its config is checked). One
+    per process: a second SFI engine built in the same process replaces the first's limits."""
+    global _LIMITS
+    _LIMITS = limits
+
+
+def engine_limits() -> EngineLimits | None:
+    return _LIMITS
+
+
+def _validation_error(e: SFIRequestError) -> Exception:
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # pragma: no cover - vLLM versions without it answer ValueError with a 400
+        return ValueError(str(e))
+    return VLLMValidationError(str(e), parameter=e.param)
+
+
+def validate_request_params(params: Any) -> None:
+    """Raise ``VLLMValidationError`` if a request's SFI settings are bad for this process's SFI
+    engine; nothing without an SFI engine or for requests without ``extra_args`` (pooling)."""
+    limits = _LIMITS
+    extra_args = getattr(params, "extra_args", None)
+    if limits is None or not extra_args:
+        return
+    try:
+        resolve_request_config(limits, extra_args)
+    except SFIRequestError as e:
+        raise _validation_error(e) from None

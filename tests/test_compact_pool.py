@@ -1,0 +1,95 @@
+"""The compact-set pool (sfi_vllm.compact_pool): its size for real model shapes and GPUs, and what
+the controller does when it is full (the request runs densely, recorded and counted)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sfi_vllm.compact_pool import COMPACT_AUTO_FRACTION, GiB, compact_bytes_per_slot, compact_pool
+from sfi_vllm.config import build_config
+from sfi_vllm.controller import SFIController
+from sfi_vllm.trigger import StepMode
+
+H200 = int(139.8 * 2**30)  # total memory as torch reports it (as in test_config.py)
+GPU_24G = 24 * GiB
+# (layers, kv heads, head size), bf16
+SMOLLM2 = (30, 3, 64)
+QWEN3_4B = (36, 8, 128)
+
+
+def pool(shape, device_bytes, gib=None, k=2048, max_num_seqs=1024, side_stream=True):
+    layers, kv, d = shape
+    return compact_pool(max_num_seqs=max_num_seqs, layers=layers, kv_heads=kv, capacity=4 + k, head_size=d,
+                        dtype_bytes=2, double_buffer=side_stream, compact_memory_gib=gib, device_bytes=device_bytes)
+
+
+def test_bytes_per_sequence_match_the_buffers_formula():
+    # the CUDA log line: 2 (K, V) x 2 sets x 1024 seqs x 3 kv heads x 2052 tokens x 64 x 2 bytes = 3078.0 MiB per layer
+    per_layer_1024 = compact_bytes_per_slot(1, 3, 2052, 64, 2, True) * 1024
+    assert per_layer_1024 / 2**20 == pytest.approx(3078.0, abs=0.05)
+    assert compact_bytes_per_slot(30, 3, 2052, 64, 2, True) == 30 * per_layer_1024 // 1024
+
+
+@pytest.mark.parametrize("shape, device, slots", [
+    (SMOLLM2, H200, 158),   # 13.98 GiB / 90.2 MiB
+    (SMOLLM2, GPU_24G, 27),
+    (QWEN3_4B, H200, 24),   # 13.98 GiB / 577.5 MiB
+    (QWEN3_4B, GPU_24G, 4),
+])
+def test_auto_budget_is_a_tenth_of_the_gpu(shape, device, slots):
+    p = pool(shape, device)
+    assert p.budget_bytes == int(COMPACT_AUTO_FRACTION * device)
+    assert p.slots == slots == p.budget_bytes // p.bytes_per_slot
+    assert p.total_bytes <= p.budget_bytes < p.total_bytes + p.bytes_per_slot
+    # against every one of vLLM's default 1024 sequences: SmolLM2 took 90 GiB of the H200 before
+    assert p.total_bytes < 0.11 * device < 1024 * p.bytes_per_slot
+
+
+def test_explicit_budget_and_its_limits():
+    p = pool(QWEN3_4B, H200, gib=4.0)
+    assert p.source == "compact_memory_gib" and p.slots == int(4 * GiB // p.bytes_per_slot) == 7
+    assert pool(SMOLLM2, H200, gib=1000.0, max_num_seqs=64).slots == 64  # never more than max_num_seqs
+    assert pool(SMOLLM2, None).slots == 1024 and pool(SMOLLM2, None).budget_bytes is None  # CPU: every sequence
+    assert pool(SMOLLM2, None, gib=0.5).slots == 5  # an explicit budget applies on the CPU too
+    with pytest.raises(ValueError, match="holds no sequence's compact set"):
+        pool(QWEN3_4B, GPU_24G, gib=0.25)
+    assert "158 of max_num_seqs 1024" in pool(SMOLLM2, H200).describe(2, 30, 3, 2052, 64, 2)
+
+
+def _controller(slots_gib, n):
+    sfi = {"boundary_token_ids": [7], "min_gap": 0, "selected_tokens": 32, "compact_memory_gib": slots_gib, "bridge_steps": 0}
+    mc = SimpleNamespace(get_vocab_size=lambda: 16, skip_tokenizer_init=True, max_model_len=1024,
+                         get_num_layers=lambda p: 30, get_num_kv_heads=lambda p: 3, get_head_size=lambda: 64,
+                         dtype=torch.float32)
+    vc = SimpleNamespace(additional_config={"sfi": sfi}, scheduler_config=SimpleNamespace(max_num_seqs=n),
+                         model_config=mc, parallel_config=SimpleNamespace(rank=0))
+    return SFIController(build_config(sfi, use_env=False), vc)
+
+
+def test_a_full_pool_runs_the_request_densely_and_counts_it():
+    per_seq = compact_bytes_per_slot(30, 3, 36, 64, 4, False)  # CPU: float32, one set
+    ctl = _controller(2.5 * per_seq / GiB, n=4)  # room for two compact sets
+    assert ctl.compact_slots == 2
+    metric = ctl.stats.metrics.fallbacks.labels(reason="compact_pool_full")
+    before = metric._value.get()
+    dense = [{"sfi_policy": "dense"}]
+
+    def step(reqs, extra=None):
+        n = len(reqs)
+        return ctl.plan_step(reqs, np.ones(n, int), np.full(n, 3000), [2900] * n, torch.full((n,), 3), extra)
+
+    p = step(["d", "a", "b", "c"], dense + [None] * 3)  # a dense request takes no compact set
+    assert p.modes == [StepMode.DENSE, StepMode.SLOW, StepMode.SLOW, StepMode.DENSE]
+    assert ctl.slot_of["d"] >= 2 and {ctl.slot_of["a"], ctl.slot_of["b"]} == {0, 1}
+    assert ctl.stats.get("c").fallback == "compact_pool_full" and ctl.stats.get("c").policy == "dense"
+    assert metric._value.get() == before + 1
+
+    class Out:
+        finished_req_ids, preempted_req_ids = {"a"}, ()
+
+    ctl.on_scheduler_output(Out())  # a's compact set is free again: the next request gets it
+    p = step(["b", "c", "e"])
+    assert p.modes[1] == StepMode.DENSE and p.modes[2] == StepMode.SLOW  # c stays dense until it ends
+    assert ctl.slot_of["e"] < 2 and metric._value.get() == before + 1

@@ -1,0 +1,154 @@
+"""A request's own SFI settings (sfi_vllm.request_config): the flat ``vllm_xargs`` keys, the JSON
+string, the offline mapping, and the checks that make a bad one a request error. The worker never
+fails for them (sfi_vllm.controller) and counts the fallback in the metrics."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sfi_vllm.config import SelectorConfig, SFIConfig, build_config
+from sfi_vllm.request_config import (
+    REQUEST_FIXED_KEYS,
+    EngineLimits,
+    SFIRequestError,
+    flat_keys,
+    resolve_request_config,
+)
+from sfi_vllm.trigger import StepMode
+
+ENGINE = {"sinks": 4, "selected_tokens": 64, "recent_window": 32, "boundary_token_ids": [7]}
+
+
+def limits(sfi=ENGINE, max_model_len=1024):
+    return EngineLimits.for_engine(build_config(sfi, use_env=False), max_model_len)
+
+
+def test_flat_keys_come_from_the_models_fields_and_do_not_clash():
+    keys = flat_keys()
+    nested = [n for n, f in SFIConfig.model_fields.items() if f.annotation is SelectorConfig]
+    assert nested == ["selector"]
+    top = {f"sfi_{n}" for n in SFIConfig.model_fields if n != "selector"}
+    inner = {f"sfi_selector_{n}" for n in SelectorConfig.model_fields}
+    assert not top & inner, f"flat keys clash: {top & inner}"  # a new field must not shadow another
+    assert set(keys) == top | inner
+    assert keys["sfi_selector_alpha"] == ("selector", "alpha") and keys["sfi_policy"] == ("policy",)
+
+
+def test_the_three_forms_give_the_same_config():
+    lim = limits()
+    flat = {"sfi_policy": "snapkv", "sfi_selected_tokens": 32, "sfi_selector_alpha": 1.0}
+    nested = {"policy": "snapkv", "selected_tokens": 32, "selector": {"alpha": 1.0}}
+    a = resolve_request_config(lim, flat)
+    b = resolve_request_config(lim, {"sfi": json.dumps(nested)})
+    c = resolve_request_config(lim, {"sfi": nested})
+    d = resolve_request_config(lim, {"sfi": {"policy": "snapkv"}, "sfi_selected_tokens": 32,
+                                     "sfi_selector_alpha": 1.0})
+    assert a == b == c == d
+    assert a.policy == "snapkv" and a.selected_tokens == 32 and a.selector.alpha == 1.0
+    assert a.recent_window == 32  # the engine's own settings stay under the request's
+    # strings are parsed as the field's type (vllm_xargs carries what the client sent)
+    assert resolve_request_config(lim, {"sfi_selected_tokens": "16"}).selected_tokens == 16
+    # no SFI keys: the engine's config; other extra_args are not ours
+    assert resolve_request_config(lim, {"force": {"tokens": [1]}}) is lim.cfg
+    assert resolve_request_config(lim, None) is lim.cfg
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"sfi": "dense"}, "vllm_xargs.sfi", "not valid JSON"),
+    ({"sfi": ["dense"]}, "vllm_xargs.sfi", "got list"),
+    ({"sfi": 3.5}, "vllm_xargs.sfi", "got float"),
+    ({"sfi": '"dense"'}, "vllm_xargs.sfi", "got str"),
+    ({"sfi": {"sinkz": 1}}, "vllm_xargs.sfi.sinkz", "unknown SFI setting"),
+    ({"sfi_sinkz": 1}, "vllm_xargs.sfi_sinkz", "unknown SFI setting"),
+    ({"sfi_selector_alpah": 1}, "vllm_xargs.sfi_selector_alpah", "sfi_selector_alpha"),
+    ({"sfi_sinks": -1}, "vllm_xargs.sfi_sinks", "0 <= value <= 4096"),
+    ({"sfi": {"selector": {"alpha": 0}}}, "vllm_xargs.sfi.selector.alpha", "0.0 < value <= 4.0"),
+    ({"sfi_policy": "fast"}, "vllm_xargs.sfi_policy", "'quest'"),
+    ({"sfi_side_stream": False}, "vllm_xargs.sfi_side_stream", "engine-wide"),
+    ({"sfi_selected_tokens": 65}, "vllm_xargs.sfi_selected_tokens", "sinks + K <= 68"),
+    ({"sfi_sinks": 8}, "vllm_xargs.sfi_sinks", "sinks + K <= 68"),
+    ({"sfi_reuse_budget": 4}, "vllm_xargs.sfi_reuse_budget", "min_gap (16) must be <= reuse_budget (4)"),
+    ({"sfi_sinks": 2, "sfi": {"sinks": 2}}, "vllm_xargs.sfi_sinks", "given twice"),
+    ({"sfi_selector_alpha": 1, "sfi": {"selector": {"gamma": 1}}}, None, None),  # different fields: fine
+])
+def test_bad_request_settings_name_the_field(extra, param, needle):
+    if param is None:
+        assert resolve_request_config(limits(), extra).selector.alpha == 1
+        return
+    with pytest.raises(SFIRequestError) as info:
+        resolve_request_config(limits(), extra)
+    assert info.value.param == param and needle in str(info.value), (info.value.param, str(info.value))
+
+
+def test_a_fixed_key_at_the_engines_value_and_a_dense_request_of_any_budget_are_accepted():
+    lim = limits()
+    for key in REQUEST_FIXED_KEYS:
+        assert resolve_request_config(lim, {"sfi": {key: getattr(lim.cfg, key)}}) == lim.cfg
+    assert resolve_request_config(lim, {"sfi_policy": "dense", "sfi_selected_tokens": 4096}).policy == "dense"
+
+
+def test_boundary_trigger_needs_the_engines_enders():
+    no_enders = limits({**ENGINE, "boundary_token_ids": None, "boundary_trigger": False})
+    with pytest.raises(SFIRequestError, match="sentence-ender") as info:
+        resolve_request_config(no_enders, {"sfi_boundary_trigger": True})
+    assert info.value.param == "vllm_xargs.sfi_boundary_trigger"
+    assert resolve_request_config(no_enders, {"sfi_boundary_trigger": False}).boundary_trigger is False
+    assert resolve_request_config(limits(), {"sfi_boundary_trigger": "true"}).boundary_trigger is True
+
+
+def test_the_front_end_raises_vllms_validation_error():
+    from vllm.exceptions import VLLMValidationError
+    from vllm import SamplingParams
+
+    from sfi_vllm import request_validation
+
+    request_validation.set_engine_limits(limits())
+    try:
+        with pytest.raises(VLLMValidationError) as info:
+            request_validation.validate_request_params(SamplingParams(extra_args={"sfi_sinks": "x"}))
+        assert info.value.parameter == "vllm_xargs.sfi_sinks"
+        request_validation.validate_request_params(SamplingParams(extra_args={"sfi_sinks": 2}))
+        request_validation.validate_request_params(SamplingParams())
+    finally:
+        request_validation.set_engine_limits(None)
+    request_validation.validate_request_params(SamplingParams(extra_args={"sfi": "x"}))  # no SFI engine
+
+
+@pytest.mark.parametrize("extra", [{"sfi": "dense"}, {"sfi": [1]}, {"sfi": 7}, {"sfi": None, "sfi_x": 1},
+                                   {"sfi": {1: 2}}, {"sfi_sinks": object()}, {"sfi": {"selector": [1]}}])
+def test_the_worker_runs_a_bad_request_densely_and_counts_it(extra):
+    from test_policies import controller
+
+    ctl = controller()
+    metric = ctl.stats.metrics.fallbacks.labels(reason="config_error")
+    before = metric._value.get()
+    p = ctl.plan_step(["bad", "good"], np.ones(2, int), np.array([500, 500]), [400, 400],
+                      torch.tensor([3, 3]), [extra, None])
+    assert p.modes[0] == StepMode.DENSE and p.modes[1] == StepMode.SLOW
+    st = ctl.stats.get("bad")
+    assert st.fallback == "config_error" and st.config_error and st.policy == "dense"
+    assert metric._value.get() == before + 1
+
+
+def test_step_metrics_follow_the_statistics():
+    from test_policies import controller
+
+    ctl = controller({"reuse_budget": 2, "min_gap": 0}, n=2)
+    m = ctl.stats.metrics
+    fast, slow = m.fast_steps._value.get(), m.slow_steps.labels(reason="reuse_budget")._value.get()
+    first = m.slow_steps.labels(reason="first_decode")._value.get()
+    served = m.requests.labels(policy="sfi")._value.get()
+    for step in range(7):  # slow, fast, fast, slow (budget), fast, fast, slow
+        ctl.plan_step(["a"], np.ones(1, int), np.array([600 + step]), [500], torch.tensor([3]))
+        ctl.end_step()
+    assert m.fast_steps._value.get() - fast == 4
+    assert m.slow_steps.labels(reason="reuse_budget")._value.get() - slow == 2
+    assert m.slow_steps.labels(reason="first_decode")._value.get() - first == 1
+
+    class Out:
+        finished_req_ids, preempted_req_ids = {"a"}, ()
+
+    ctl.on_scheduler_output(Out())
+    assert m.requests.labels(policy="sfi")._value.get() - served == 1
