@@ -71,7 +71,9 @@ class SFIConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: Literal["quality", "balanced", "speed"] | None = None
+    preset: Literal["quality", "balanced", "speed"] | None = Field(
+        None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
+    )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
         "sfi",
         description="sfi; or a baseline in the same backend: dense, streaming (sinks + sliding "
