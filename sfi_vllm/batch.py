@@ -143,14 +143,16 @@ class Request:
 
 def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done: Callable[[dict[str, Any]], None],
                  total: int | None = None, max_open: int = 16, desc: str = "sfi-vllm batch",
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, total_tokens: int | None = None) -> dict[str, Any]:
     """Run ``requests`` through ``llm`` (a ``vllm.LLM``), keeping at most ``max_open`` in the engine,
     and call ``on_done`` with each one's record as it finishes. An item of ``requests`` that is a
     dict is an error record already made; it is passed on as it is. A request the engine refuses
     (e.g. a prompt too long) becomes an error record too. Records of finished requests hold the
     output (``text``, ``token_ids``, ``finish_reason``, token counts, ``logprobs`` if asked for) and,
     where the engine's SFI controller runs in this process, ``sfi_stats``. Shows a tqdm bar with
-    the generated tokens/s. Returns totals: requests, errors, generated tokens, seconds."""
+    the generated tokens/s: of finished requests out of ``total``, or, with ``total_tokens``, of
+    generated tokens (it moves at every step). Returns totals: requests, errors, generated tokens,
+    seconds."""
     from tqdm import tqdm
 
     from sfi_vllm.controller import current_controller, external_request_id
@@ -163,15 +165,19 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
     seen_tokens: dict[str, int] = {}
     totals = dict(requests=0, errors=0, generated_tokens=0)
     t0 = time.perf_counter()
-    bar = tqdm(total=total, desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
+    by_tokens = total_tokens is not None
+    bar = tqdm(total=total_tokens if by_tokens else total, desc=desc, unit="tok" if by_tokens else "req",
+               disable=not progress, dynamic_ncols=True)
     pending = iter(requests)
     exhausted = False
+    last_shown = 0.0
 
     def finish(rec: dict[str, Any]) -> None:
         totals["requests"] += 1
         totals["errors"] += rec.get("error") is not None
         on_done(rec)
-        bar.update(1)
+        if not by_tokens:
+            bar.update(1)
 
     while True:
         while not exhausted and len(open_reqs) < max_open:
@@ -209,6 +215,8 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
                 continue
             n = len(o.outputs[0].token_ids)
             totals["generated_tokens"] += n - seen_tokens.get(o.request_id, 0)
+            if by_tokens:
+                bar.update(n - seen_tokens.get(o.request_id, 0))
             seen_tokens[o.request_id] = n
             if not o.finished:
                 continue
@@ -221,8 +229,9 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
                     rec["sfi_stats"] = st.to_dict()
             finish(rec)
         elapsed = time.perf_counter() - t0
-        bar.set_postfix_str(f"{totals['generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
-        bar.refresh() if progress else None
+        if elapsed - last_shown >= 0.5:  # the rate moves at every step; redraw twice a second
+            last_shown = elapsed
+            bar.set_postfix_str(f"{totals['generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s")
     bar.close()
     totals["seconds"] = time.perf_counter() - t0
     return totals
