@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-POLICIES = ("sfi", "sfi-no-prior", "sfi-no-nms", "sfi-no-exclusivity", "sfi-evidence-only", "sfi-smooth", "sfi-pages", "snapkv")
+POLICIES = ("sfi", "sfi-no-follow", "sfi-nms", "sfi-no-prior", "sfi-paper", "sfi-paper-no-nms", "snapkv")
 
 
 def needle_positions(tok: Any, text: str, keys: tuple[str, ...]) -> list[int]:

@@ -21,8 +21,8 @@ took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. 
 
 The SnapKV-style smoothing of the evidence (``smooth_kernel > 1``, a diagnostic policy) is not
 implemented here: :func:`selector_scores` raises and callers keep the torch path for it. Page
-selection (``page_size > 1``) sums ``log s`` per page in torch (:func:`sfi_vllm.selector.page_mass`),
-runs ``_nms_exclusivity`` over the pages, and spreads the page scores back to tokens in torch
+selection (``page_size > 1``) sums ``log s`` per page in torch (:func:`sfi_vllm.selector.page_mass`,
+then :func:`sfi_vllm.selector.follow_spread`), runs ``_nms_exclusivity`` over the pages, and spreads the page scores back to tokens in torch
 (float64, :func:`sfi_vllm.selector.page_expand`).
 """
 
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sfi_vllm.selector import page_expand, page_mass, page_radius
+from sfi_vllm.selector import follow_spread, page_expand, page_mass, page_radius
 
 # The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
@@ -81,8 +81,8 @@ def _stats_partials(LOGITS, NORMS, N, M1, S1, MR, SR,
                     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, USE_PRIOR: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Pass 1 over one split of the frame: per query row of the group the running max and sum of
-    ``exp(logit - max)`` (the slow step's softmax normaliser, split like flash-decoding), and the
-    same for the prior's ``log r`` over the split's candidates."""
+    ``exp(logit - max)`` over the row's candidates (each row's softmax over the candidates, split
+    like flash-decoding), and the same for the prior's ``log r`` over the split's candidates."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
@@ -99,7 +99,8 @@ def _stats_partials(LOGITS, NORMS, N, M1, S1, MR, SR,
     s = tl.zeros([G_PAD], tl.float32)
     for start in range(f0, f1, BLOCK):
         t = start + offs
-        lg = tl.load(L + offs_g[:, None] * stride_lg + t[None, :], mask=gmask[:, None] & (t < f1)[None, :],
+        cand = (t < f1) & (t >= lo) & ((t - lo).to(tl.float32) < n)
+        lg = tl.load(L + offs_g[:, None] * stride_lg + t[None, :], mask=gmask[:, None] & cand[None, :],
                      other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lg, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,7 +128,7 @@ def _stats_partials(LOGITS, NORMS, N, M1, S1, MR, SR,
 
 @triton.jit
 def _merged_lse(M1, S1, pid, nsp, offs_g, gmask, G_PAD: tl.constexpr, S_PAD: tl.constexpr):
-    """Each query row's log-sum-exp over the whole frame, from the splits' (max, sum) pairs
+    """Each query row's log-sum-exp over its candidates, from the splits' (max, sum) pairs
     (0 for padding rows, so that ``_pooled`` never forms ``-inf - -inf``)."""
     offs_s = tl.arange(0, S_PAD)
     idx = (pid * nsp + offs_s[:, None]) * G_PAD + offs_g[None, :]
@@ -334,7 +335,7 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     stats = torch.empty(B * hkv, 4, dtype=torch.float32, device=dev)
     log_s = torch.empty(B, hkv, width, dtype=torch.float32, device=dev)  # pass 2's pooled evidence, then log s
     out = torch.empty_like(log_s)
-    lam_max = cfg.lambda_max_multi if num_query_rows > 1 else cfg.lambda_max_single
+    lam_max = cfg.lambda_max_multi if g * num_query_rows > 1 else cfg.lambda_max_single  # G x captured rows
     prior = (cfg.alpha, cfg.w_norm, cfg.w_pos, cfg.gamma, cfg.beta, cfg.eta, cfg.pos_power)
     P = B * hkv
     nsp = stat_splits(P, width, block, target_programs)
@@ -365,7 +366,7 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     token_log_s = log_s
     units, n_units = width, n
     if page > 1:  # pages: their mass in torch (three ops), then soft-NMS and exclusivity over pages
-        log_s = page_mass(log_s, page).contiguous()
+        log_s = follow_spread(page_mass(log_s, page), cfg).contiguous()
         units, n_units = log_s.shape[-1], n / page  # page i is valid iff i * page < n, i.e. i < n / page
         out = torch.empty_like(log_s)
     if cfg.use_nms or use_excl:

@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sfi_vllm.policies import POLICIES
 
     ev = sub.add_parser("eval", help="the offline long-context suite through vLLM, per policy and budget")
-    ev.add_argument("--policies", default=",".join(POLICIES))
+    ev.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated; name@r1/r2 runs that policy at those retentions only (0: the "
+                    "engine's own working set)")
     ev.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
     ev.add_argument("--contexts", default="2048", help="context sizes in tokens, comma-separated")
     ev.add_argument("--tasks", default=None, help="default: all tasks")

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
-PRESETS = ("quality", "balanced", "speed")
+PRESETS = ("quality", "balanced", "speed", "paper")
 ENV_CONFIG_FILE = "SFI_CONFIG"
 ADDITIONAL_CONFIG_KEY = "sfi"
 # fused_scores_tokens "auto": the most the fused score buffers may take, in bytes and as a share of
@@ -50,7 +50,9 @@ class SelectorConfig(BaseModel):
     beta: float = Field(0.5676, ge=0.0, le=10.0, description="-ln(0.6)/0.9")
     lambda_max_single: float = Field(0.35, ge=0.0, le=1.0, description="lambda clip, one query row")
     lambda_max_multi: float = Field(0.25, ge=0.0, le=1.0, description="lambda clip, several rows")
-    use_nms: bool = Field(True, description="soft non-maximum suppression along positions")
+    use_nms: bool = Field(
+        False, description="soft non-maximum suppression along positions (pages in page mode); the "
+        "paper's step, off by default: on SmolLM2 it pushed the rest of a multi-token answer out of the set")
     nms_radius: int = Field(16, ge=1, le=1024, description="soft-NMS half window in tokens")
     nms_strength: float = Field(1.0, ge=0.0, le=10.0, description="a: log-gap penalty factor")
     use_exclusivity: bool = Field(True, description="cross-head exclusivity (needs > 2 KV heads)")
@@ -60,10 +62,18 @@ class SelectorConfig(BaseModel):
         0, ge=0, le=257, description="average-pool the evidence over this many positions (SnapKV-style; 0: off)"
     )
     page_size: int = Field(
-        0, ge=0, le=256,
-        description="select whole pages of this many candidates ranked by their fused mass (soft-NMS "
-        "and exclusivity then act on pages; 0 or 1: token by token, the method's); ours, not the paper's",
+        16, ge=0, le=256,
+        description="select whole pages of this many candidates ranked by their fused mass (soft-NMS, "
+        "exclusivity and follow_pages then act on pages; 0 or 1: token by token, the paper's)",
     )
+    follow_pages: int = Field(
+        2, ge=0, le=64,
+        description="page mode: a page also takes the score of each of this many pages before it, less "
+        "follow_penalty per page of distance, so the text after a strong page (the rest of a number, "
+        "a passage being copied) is selected with it; 0: off (the paper's)",
+    )
+    follow_penalty: float = Field(
+        1.0, ge=0.0, le=80.0, description="log-score a followed page loses per page of distance")
 
 
 class SFIConfig(BaseModel):
@@ -71,7 +81,7 @@ class SFIConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: Literal["quality", "balanced", "speed"] | None = Field(
+    preset: Literal["quality", "balanced", "speed", "paper"] | None = Field(
         None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
     )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
@@ -122,6 +132,13 @@ class SFIConfig(BaseModel):
         "exact where they are on the CPU (reading them costs nothing there)",
     )
     reuse_budget: int = Field(64, ge=1, le=1 << 20, description="max fast steps between slow steps")
+    bridge_steps: int = Field(
+        16, ge=0, le=1 << 20,
+        description="the first decode steps after a prefill that attend densely before the first "
+        "selection (the bridge): a request's first tokens often restate the question before the "
+        "answer, and a set chosen from the first decode query misses what the answer reads; 0: select "
+        "at the first decode step (the paper's)",
+    )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
@@ -173,7 +190,7 @@ class SFIConfig(BaseModel):
         description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
         "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
         "score by radix select and writes the chosen positions in order (triton; ties go to the "
-        "lower positions)",
+        "lower positions; token-level selection only: page selection always takes torch's)",
     )
 
     # Observability.

@@ -2,7 +2,8 @@
 
 Every policy runs in the SFI backend, chosen per request through ``SamplingParams(extra_args=
 {"sfi": overrides})``; :func:`policy_overrides` builds those overrides for a retention (working-set
-tokens / context tokens) at a context length.
+tokens / context tokens) at a context length, or for the engine's own budget (``retention`` 0 or
+None: only the policy's own settings).
 
 * ``dense``: full attention every step.
 * ``streaming``: StreamingLLM, sinks + a sliding window holding the whole budget.
@@ -12,15 +13,14 @@ tokens / context tokens) at a context length.
   decode query stands in for them.) New tokens join the window.
 * ``quest``: Quest-style: at every step, pick the 16-token pages whose per-page key min/max bound
   ``q . k`` highest (per KV head, max over its query heads), within the budget.
-* ``sfi`` and ablations: ``sfi-no-prior``, ``sfi-no-nms``, ``sfi-no-exclusivity``,
-  ``sfi-interval`` (reuse budget only), ``sfi-boundary`` (sentence boundaries only), and
-  ``sfi-wide-window`` (the window takes half the budget instead of a quarter: tests whether the
-  split, not the Selector, decides prompt-end questions at small budgets), ``sfi-evidence-only``
-  (no prior, no soft-NMS, no exclusivity) and ``sfi-smooth`` (SnapKV's 7-position pooling of the
-  evidence added to SFI): diagnostics for where SFI's selection loses to SnapKV-style.
-* ``sfi-pages`` (ours, not the paper's): SFI's Selector ranking 16-token pages by their fused
-  mass instead of single tokens (``selector.page_size``), so soft-NMS spreads the budget across
-  regions without thinning a multi-token answer written a digit per token.
+* ``sfi``: the engine's default SFI (16-token pages ranked by the slow step's evidence and the
+  prior, the pages after a strong page kept with it, a dense bridge of the first decode steps; see
+  ``SFIConfig``) and its ablations: ``sfi-no-bridge``, ``sfi-no-follow``, ``sfi-nms`` (page-level
+  soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-interval`` (reuse budget only, no
+  boundaries), ``sfi-boundary`` (boundaries only).
+* ``sfi-paper``: the paper's Selector as published: token by token, soft-NMS, no bridge, no
+  following pages (the evidence normalised per query row over the candidates, and the lambda clip
+  for several query rows under GQA, as the authors do); ``sfi-paper-no-nms`` without its soft-NMS.
 """
 
 from __future__ import annotations
@@ -31,25 +31,27 @@ SINKS = 4
 MAX_WINDOW = 256
 NO_LIMIT = 1 << 20
 
+_PAPER_SELECTOR = {"page_size": 0, "use_nms": True, "use_prior": True, "use_exclusivity": True,
+                   "follow_pages": 0}
 _POLICY: dict[str, dict[str, Any]] = {
     "dense": {"policy": "dense"},
     "streaming": {"policy": "streaming"},
     "snapkv": {"policy": "snapkv", "selector": {"alpha": 1.0, "use_prior": False, "use_nms": False,
-                                                 "use_exclusivity": False, "smooth_kernel": 7}},
+                                                 "use_exclusivity": False, "smooth_kernel": 7,
+                                                 "page_size": 0, "follow_pages": 0}},
     "quest": {"policy": "quest"},
     "sfi": {"policy": "sfi"},
+    "sfi-no-bridge": {"policy": "sfi", "bridge_steps": 0},
+    "sfi-bridge-32": {"policy": "sfi", "bridge_steps": 32},
+    "sfi-no-follow": {"policy": "sfi", "selector": {"follow_pages": 0}},
+    "sfi-nms": {"policy": "sfi", "selector": {"use_nms": True}},
     "sfi-no-prior": {"policy": "sfi", "selector": {"use_prior": False}},
-    "sfi-no-nms": {"policy": "sfi", "selector": {"use_nms": False}},
-    "sfi-no-exclusivity": {"policy": "sfi", "selector": {"use_exclusivity": False}},
     "sfi-interval": {"policy": "sfi", "boundary_trigger": False},
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
-    "sfi-wide-window": {"policy": "sfi"},
-    "sfi-evidence-only": {"policy": "sfi", "selector": {"use_prior": False, "use_nms": False,
-                                                       "use_exclusivity": False}},
-    "sfi-smooth": {"policy": "sfi", "selector": {"smooth_kernel": 7}},
-    "sfi-pages": {"policy": "sfi", "selector": {"page_size": 16}},
+    "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "selector": dict(_PAPER_SELECTOR)},
+    "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "selector": {**_PAPER_SELECTOR, "use_nms": False}},
 }
-_WINDOW_SHARE = {"sfi-wide-window": 0.5}  # of the budget; every other selecting policy: 0.25
+_WINDOW_SHARE: dict[str, float] = {}  # of the budget; every selecting policy: 0.25
 POLICIES = tuple(_POLICY)
 
 
@@ -66,8 +68,8 @@ def policy_overrides(policy: str, retention: float | None, context: int) -> dict
     over = {k: (dict(v) if isinstance(v, dict) else v) for k, v in _POLICY[policy].items()}
     if policy == "dense":
         return over
-    if retention is None:
-        raise ValueError(f"policy {policy!r} needs a retention")
+    if not retention:  # the engine's own working set
+        return over
     sinks, window, selected = working_set(retention, context, _WINDOW_SHARE.get(policy, 0.25))
     if policy == "streaming":
         window, selected = window + selected, 0

@@ -51,6 +51,22 @@ def page_expand(page_scores: torch.Tensor, log_s: torch.Tensor, page: int) -> to
     return per_token + PAGE_TIE_BREAK * log_s.double()
 
 
+def follow_spread(page_scores: torch.Tensor, cfg: SelectorConfig) -> torch.Tensor:
+    """``follow_pages`` (page mode): each page also takes the score of each of the
+    ``follow_pages`` pages before it, less ``follow_penalty`` per page of distance (the max of
+    those and its own). Text that a query reads is usually read on from there (a number written a
+    digit per token, a passage being copied): the pages after a strong page join the set with it.
+    ``-inf`` entries (past a row's candidates) stay ``-inf``."""
+    reach = cfg.follow_pages
+    if reach <= 0 or page_scores.shape[-1] <= 1:
+        return page_scores
+    out = page_scores
+    for d in range(1, min(reach, page_scores.shape[-1] - 1) + 1):
+        shifted = F.pad(page_scores[..., :-d], (d, 0), value=float("-inf")) - d * cfg.follow_penalty
+        out = torch.maximum(out, shifted)
+    return torch.where(torch.isneginf(page_scores), page_scores, out)
+
+
 def page_radius(cfg: SelectorConfig) -> int:
     """Soft-NMS radius in pages (page mode) or tokens."""
     return -(-cfg.nms_radius // cfg.page_size) if cfg.page_size > 1 else cfg.nms_radius
@@ -69,6 +85,7 @@ class Selector:
         """``probs (Hkv, R, L)`` -> ``f (Hkv, hi - lo)``, each row summing to 1."""
         a = self.cfg.alpha
         p = probs[..., lo:hi].float().clamp_min(0.0)
+        p = p / p.sum(dim=-1, keepdim=True).clamp_min(_EPS)  # each query row over the candidates
         pooled = p.pow(a).mean(dim=1).pow(1.0 / a)
         total = pooled.sum(dim=-1, keepdim=True)
         uniform = torch.full_like(pooled, 1.0 / max(hi - lo, 1))
@@ -136,13 +153,13 @@ class Selector:
             f = F.avg_pool1d(f[:, None, :], kernel_size=k, stride=1, padding=k // 2,
                              count_include_pad=False)[:, 0, : f.shape[-1]]
         if self.cfg.use_prior:
-            log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=num_query_rows > 1)
+            log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=probs.shape[1] * num_query_rows > 1)
         else:
             log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
         page = self.cfg.page_size
         token_log_s = log_s
         if page > 1:
-            log_s = page_mass(log_s, page)
+            log_s = follow_spread(page_mass(log_s, page), self.cfg)
         if self.cfg.use_nms:
             log_s = self.soft_nms(log_s)
         if self.cfg.use_exclusivity:
@@ -230,7 +247,8 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
     neg_inf = float("-inf")
 
     # 1. evidence: power mean over the group's rows, renormalised over each row's candidates
-    p = probs[..., lo:].float().clamp_min(0.0)
+    p = probs[..., lo:].float().clamp_min(0.0) * valid[:, :, None, :]
+    p = p / p.sum(dim=-1, keepdim=True).clamp_min(_EPS)  # each query row over its candidates
     pooled = p.pow(c.alpha).mean(dim=2).pow(1.0 / c.alpha) * valid
     total = pooled.sum(dim=-1, keepdim=True)
     f = torch.where(total > 0, pooled / total.clamp_min(_EPS), valid / n)
@@ -254,7 +272,8 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
         diff = f - r
         denom = (diff * diff).sum(dim=-1)
         lam = torch.where(denom > 0, (f * diff).sum(dim=-1) / denom.clamp_min(_EPS), torch.zeros_like(denom))
-        lam = lam.clamp(0.0, c.lambda_max_multi if num_query_rows > 1 else c.lambda_max_single)[..., None]
+        multi = probs.shape[2] * num_query_rows > 1  # query rows of the GQA group x captured rows
+        lam = lam.clamp(0.0, c.lambda_max_multi if multi else c.lambda_max_single)[..., None]
         log_f = torch.log(f.clamp_min(_EPS))
         log_s = torch.logaddexp(torch.log((1.0 - lam).clamp_min(_EPS)) + log_f,
                                 torch.log(lam.clamp_min(_EPS)) + torch.where(valid, log_r, 0.0))
@@ -264,7 +283,7 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
     log_s = torch.where(valid, log_s, neg_inf)
     token_log_s = log_s
     if c.page_size > 1:  # pages of candidates: the units that steps 4-5 and top-K rank
-        log_s = page_mass(log_s, c.page_size)
+        log_s = follow_spread(page_mass(log_s, c.page_size), c)
         units = log_s.shape[-1]
         valid = torch.arange(units, device=dev, dtype=torch.float32) * c.page_size < n
     else:

@@ -44,6 +44,9 @@ class RequestStats:
     fast_attended_tokens: int = 0
     fast_context_tokens: int = 0
     fast_layer_evals: int = 0
+    # sums of the context over decode steps: those that attended densely (dense and slow steps), all
+    full_context_tokens: int = 0
+    decode_context_tokens: int = 0
     preemptions: int = 0
     policy: str = "sfi"
     config_error: str | None = None
@@ -64,6 +67,15 @@ class RequestStats:
     def attended_fraction(self) -> float:
         return self.fast_attended_tokens / self.fast_context_tokens if self.fast_context_tokens else 0.0
 
+    @property
+    def decode_attended_fraction(self) -> float:
+        """Tokens attended over all decode steps (fast steps their working set, dense and slow steps
+        the whole context) / the context they stood for."""
+        if not self.decode_context_tokens:
+            return 0.0
+        fast = self.fast_steps * self.mean_attended_per_fast_step
+        return (fast + self.full_context_tokens) / self.decode_context_tokens
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["slow_reasons"] = dict(self.slow_reasons)
@@ -71,6 +83,7 @@ class RequestStats:
         d["mean_attended_per_fast_step"] = round(self.mean_attended_per_fast_step, 2)
         d["mean_context_per_fast_step"] = round(self.mean_context_per_fast_step, 2)
         d["attended_fraction"] = round(self.attended_fraction, 4)
+        d["decode_attended_fraction"] = round(self.decode_attended_fraction, 4)
         return d
 
 
@@ -101,12 +114,16 @@ class StatsRegistry:
         if mode == StepMode.PREFILL:
             st.prefill_steps += 1
             st.prompt_tokens = max(st.prompt_tokens, context_len)
-        elif mode == StepMode.DENSE:
+            return
+        st.decode_context_tokens += context_len
+        if mode == StepMode.DENSE:
             st.dense_steps += 1
+            st.full_context_tokens += context_len
         elif mode == StepMode.FAST:
             st.fast_steps += 1
         else:
             st.slow_steps += 1
+            st.full_context_tokens += context_len
             name = REASON_NAMES[SlowReason(reason)]
             st.slow_reasons[name] += 1
             if len(st.slow_events) < MAX_EVENTS:

@@ -1,7 +1,8 @@
 """SlowStepTrigger: which decode steps run dense attention and refresh the selection.
 
 A decode step of a sequence is
-* ``DENSE`` while its context is shorter than ``dense_below_context`` (no SFI at all);
+* ``DENSE`` while its context is shorter than ``dense_below_context``, and for the first
+  ``bridge_steps`` decode steps after a prefill (``sfi`` policy only): no SFI at all;
 * ``SLOW`` when any trigger fires:
   - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range),
   - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step,
@@ -119,6 +120,11 @@ class SlowStepTrigger:
         self.at_ender = torch.zeros(num_slots, dtype=torch.bool, **z)
         self.dense_below = torch.zeros(num_slots, dtype=torch.int64, **z)
         self.never_slow = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.bridge = torch.zeros(num_slots, dtype=torch.int32, **z)
+        # the bridge: decode steps whose context is below bridge_until[slot] are dense; it is set at
+        # the slot's first decode step after a reset (fresh), from that step's context
+        self.fresh = torch.ones(num_slots, dtype=torch.bool, **z)
+        self.bridge_until = torch.zeros(num_slots, dtype=torch.int64, **z)
         self.default_cfg = cfg
         for slot in range(num_slots):
             self.configure(slot, cfg)
@@ -138,6 +144,12 @@ class SlowStepTrigger:
         # dense: every step dense; quest: every step selects its own pages (no slow steps)
         self.dense_below[slot] = (1 << 62) if cfg.policy == "dense" else cfg.dense_below_context
         self.never_slow[slot] = cfg.policy == "quest"
+        self.bridge[slot] = cfg.bridge_steps if refresh else 0
+
+    def _bridge_until(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """The context length at which each row's bridge ends (set at its first decode step)."""
+        return torch.where(self.fresh[slots], context_lens.to(torch.int64) + self.bridge[slots],
+                           self.bridge_until[slots])
 
     def reset(self, slots: torch.Tensor) -> None:
         """A request started, was preempted or finished: its next decode step is a first step."""
@@ -145,6 +157,8 @@ class SlowStepTrigger:
         self.fast_since_slow[slots] = 0
         self.pending[slots] = False
         self.initialized[slots] = False
+        self.fresh[slots] = True
+        self.bridge_until[slots] = 0
 
     def needs_token(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """Rows whose decision this step depends on their input token: the boundary trigger is on
@@ -152,7 +166,8 @@ class SlowStepTrigger:
         dense range, never-slow policy) decides the step anyway."""
         slots = slots.to(self.device, torch.long)
         fast_since = self.fast_since_slow[slots]
-        dense = context_lens.to(self.device) < self.dense_below[slots]
+        context_lens = context_lens.to(self.device)
+        dense = (context_lens < self.dense_below[slots]) | (context_lens < self._bridge_until(slots, context_lens))
         return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
                 & (fast_since >= self.min_gap[slots]) & (fast_since < self.reuse_budget[slots]))
 
@@ -193,7 +208,10 @@ class SlowStepTrigger:
             new_pending = torch.where(known, new_pending, pending)
         boundary = boundary & self.boundary_on[slots]
 
-        dense = context_lens < self.dense_below[slots]
+        until = self._bridge_until(slots, context_lens)
+        self.bridge_until[slots] = until
+        self.fresh[slots] = False
+        dense = (context_lens < self.dense_below[slots]) | (context_lens < until)
         first = ~self.initialized[slots]
         reuse = fast_since >= self.reuse_budget[slots]
         bound = boundary & (fast_since >= self.min_gap[slots])
@@ -223,7 +241,8 @@ class SlowStepTrigger:
         tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
         pending = self.pending[slots]
         new_pending = ~self.at_ender[slots] & (self.ender[tokens] | (pending & self.skip[tokens]))
-        dense = context_lens.to(self.device) < self.dense_below[slots]
+        context_lens = context_lens.to(self.device)
+        dense = (context_lens < self.dense_below[slots]) | (context_lens < self.bridge_until[slots])
         self.pending[slots] = new_pending & ~dense
 
 

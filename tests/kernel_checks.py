@@ -567,9 +567,11 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
     logits, norms, n, k = (t.to(device) for t in (logits, norms, n, k))
     worst = 0.0
     if variants is None:
-        variants = [{}, {"use_prior": False}, {"use_nms": False}, {"use_exclusivity": False},
-                    {"nms_radius": 3, "alpha": 1.0}, {"use_nms": False, "use_exclusivity": False},
-                    {"page_size": 16}, {"page_size": 8, "use_nms": False}]
+        paper = {"page_size": 0, "use_nms": True, "follow_pages": 0}  # the paper's token-level Selector
+        variants = [{}, {"use_prior": False}, {"use_nms": True}, {"use_exclusivity": False},
+                    {"page_size": 8, "follow_pages": 3, "follow_penalty": 0.5},
+                    paper, {**paper, "use_prior": False}, {**paper, "nms_radius": 3, "alpha": 1.0},
+                    {**paper, "use_nms": False, "use_exclusivity": False}]
     for over in variants:
         for rows in (1, 2):
             cfg = SelectorConfig(**over)
@@ -775,7 +777,8 @@ def run_all(device: str) -> None:
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64)
         # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
-                              block=64, variants=[{}, {"use_prior": False, "use_nms": False}, {"page_size": 16}])
+                              block=64, variants=[{}, {"use_prior": False},
+                                                  {"page_size": 0, "use_nms": True, "follow_pages": 0}])
         # other launch parameters: more splits, 8 warps, small pointwise and soft-NMS tiles
         check_selector_scores("cpu", hkv=3, g=3, frame=700, seq_lens=(700, 400, 90, 20), window=32, kmax=64,
                               block=128, variants=[{}], launch=dict(target_programs=4096, num_warps=8, tile=64,

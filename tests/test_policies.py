@@ -14,7 +14,7 @@ from test_sfi_layer import fake_vllm_config, make_batch, plan_for
 
 
 def controller(sfi=None, n=4):
-    sfi = {"boundary_token_ids": [7], "min_gap": 0, **(sfi or {})}
+    sfi = {"boundary_token_ids": [7], "min_gap": 0, "bridge_steps": 0, **(sfi or {})}
     return SFIController(build_config(sfi, use_env=False), fake_vllm_config(sfi, max_num_seqs=n))
 
 

@@ -46,14 +46,14 @@ def test_chunks_cover_every_task_and_put_dense_first():
     order = chunk_order(s, TASKS, (2048,))
     assert [(s[i].index, s[i].task) for i in order[:2]] == [(0, "passkey"), (0, "common_words")]
     reqs, keys = build_requests(s, ["dense", "sfi", "streaming"], [0.1, 0.2], order, chunk_samples=2,
-                                ablations=["sfi-no-nms"], ablation_samples=1)
+                                ablations=["sfi-nms"], ablation_samples=1)
     assert len(reqs) == len(keys)
     by_phase = {}
     for r, k in zip(reqs, keys):
         by_phase.setdefault(r["phase"], []).append(k)
     assert sorted(by_phase) == [0, 1, 2, 3, 4, 5]
     assert {k[1] for k in by_phase[0]} == {"dense"}
-    assert {k[1] for k in by_phase[1]} == {"sfi", "streaming", "sfi-no-nms"}
+    assert {k[1] for k in by_phase[1]} == {"sfi", "streaming", "sfi-nms"}
     # every sample: 1 dense + 2 policies x 2 retentions (+ 2 ablation requests for index 0)
     for si, smp in enumerate(s):
         n = sum(1 for k in keys if k[0] == si)
@@ -71,7 +71,7 @@ def test_flow_requests_wait_for_their_samples_dense_request():
     s = samples(3)
     order = chunk_order(s, TASKS, (2048,))
     reqs, keys = build_flow_requests(s, ["dense", "sfi", "streaming"], [0.1, 0.2], order,
-                                     ablations=["sfi-no-nms"], ablation_samples=1)
+                                     ablations=["sfi-nms"], ablation_samples=1)
     assert len(reqs) == len(keys)
     roots = [i for i, r in enumerate(reqs) if "after" not in r]
     assert [keys[i][1] for i in roots] == ["dense"] * len(s)
@@ -216,7 +216,7 @@ def test_dtype_and_engine_options_parse():
     assert resolve_dtype("auto") in ("float32", "bfloat16")
     args = cli.build_parser().parse_args(["eval", "--dtype", "bfloat16", "--max-num-seqs", "256",
                                           "--gpu-memory-utilization", "0.8", "--chunk-samples", "70",
-                                          "--time-limit", "300", "--ablations", "sfi-no-nms", "--ablation-samples", "5"])
+                                          "--time-limit", "300", "--ablations", "sfi-nms", "--ablation-samples", "5"])
     assert (args.dtype, args.max_num_seqs, args.gpu_memory_utilization, args.chunk_samples, args.time_limit) == \
         ("bfloat16", 256, 0.8, 70, 300.0)
     assert "bfloat16 on CUDA" in cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()

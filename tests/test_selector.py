@@ -16,7 +16,9 @@ def test_evidence_is_power_mean_over_group(rng):
     p = _probs(3, 3, 50, rng)
     f = sel.evidence(p, 4, 40)
     for h in range(3):
-        raw = [(sum(p[h, r, j].item() ** 0.5 for r in range(3)) / 3) ** 2 for j in range(4, 40)]
+        # each query row's probabilities renormalised over the candidates, then the power mean
+        row_mass = [sum(p[h, r, j].item() for j in range(4, 40)) for r in range(3)]
+        raw = [(sum((p[h, r, j].item() / row_mass[r]) ** 0.5 for r in range(3)) / 3) ** 2 for j in range(4, 40)]
         z = sum(raw)
         assert torch.allclose(f[h], torch.tensor([x / z for x in raw]), atol=1e-6)
 
@@ -62,7 +64,7 @@ def test_fusion_lambda_is_clipped(rng):
 
 
 def test_soft_nms_brute_force(rng):
-    sel = Selector(SelectorConfig(nms_radius=3, nms_strength=0.7))
+    sel = Selector(SelectorConfig(nms_radius=3, nms_strength=0.7, page_size=0))
     x = torch.randn(2, 25, generator=rng)
     got = sel.soft_nms(x)
     for h in range(2):
@@ -114,7 +116,7 @@ def test_selector_prefers_attended_tokens(rng):
     hot = torch.tensor([50, 120, 333])
     p[:, :, hot] = 0.3
     p = p / p.sum(-1, keepdim=True)
-    pos = Selector().select(p, torch.ones(3, 400), 4, 404, 8)
+    pos = Selector(SelectorConfig(page_size=0)).select(p, torch.ones(3, 400), 4, 404, 8)
     for h in range(3):
         assert set(hot.tolist()) <= set(pos[h].tolist())
 
@@ -127,6 +129,8 @@ def test_selector_prefers_attended_tokens(rng):
     {"alpha": 1.0, "use_prior": False, "use_nms": False, "use_exclusivity": False, "smooth_kernel": 7},
     {"page_size": 16},
     {"page_size": 8, "use_nms": False},
+    {"page_size": 16, "use_nms": True, "follow_pages": 3, "follow_penalty": 0.5},
+    {"page_size": 0, "use_nms": True, "follow_pages": 0},  # the paper's Selector
 ])
 @pytest.mark.parametrize("hkv,group", [(8, 4), (3, 3), (2, 1)])
 def test_batched_selector_matches_per_row_reference(rng, overrides, hkv, group):
@@ -180,8 +184,9 @@ def test_page_selection_keeps_a_run_of_tokens_that_token_soft_nms_thins():
     probs[:, :, lo + 194] = 0.02
     probs[:, :, lo + 300] = 0.01  # a single-token peak in page 18 (j = 288..303)
     norms = torch.ones(3, n)
-    token = Selector(SelectorConfig(use_prior=False, use_exclusivity=False))
-    paged = Selector(SelectorConfig(use_prior=False, use_exclusivity=False, page_size=16))
+    token = Selector(SelectorConfig(use_prior=False, use_exclusivity=False, page_size=0, use_nms=True))
+    paged = Selector(SelectorConfig(use_prior=False, use_exclusivity=False, page_size=16, use_nms=True,
+                                    follow_pages=0))
     k = 20
     needle_abs = set((lo + needle).tolist())
     tok_sel = set(token.select(probs, norms, lo, lo + n, k)[0].tolist())
@@ -200,3 +205,33 @@ def test_page_mass_ignores_positions_past_the_candidates():
     assert got.shape == (1, 3)
     assert torch.allclose(got[0, 0], torch.log(torch.tensor(2.0)))
     assert got[0, 1] == float("-inf") and got[0, 2] == float("-inf")
+
+
+def test_follow_spread_brute_force():
+    """Each page takes the best of its own score and its ``follow_pages`` predecessors' less the
+    penalty per page; pages past the candidates stay -inf."""
+    from sfi_vllm.selector import follow_spread
+
+    inf = float("-inf")
+    x = torch.tensor([[-1.0, -9.0, -9.0, -3.0, -9.0, -9.0, -9.0, inf, inf]])
+    got = follow_spread(x, SelectorConfig(follow_pages=2, follow_penalty=0.5))
+    want = [-1.0, -1.5, -2.0, -3.0, -3.5, -4.0, -9.0, inf, inf]
+    assert got[0].tolist() == want
+    assert torch.equal(follow_spread(x, SelectorConfig(follow_pages=0)), x)
+
+
+def test_followed_pages_keep_the_rest_of_a_number_that_straddles_a_page_boundary():
+    """A query that reads a number's first digits (its evidence on page 12, the number running
+    on into page 13): with follow_pages the next page is selected too, without it a stronger
+    unrelated page wins the second slot."""
+    n, lo = 400, 4
+    probs = torch.full((3, 3, n + lo), 1e-4)
+    probs[:, :, lo + 204:lo + 208] = 0.01  # the end of page 12 (j = 192..207)
+    probs[:, :, lo + 320] = 0.004  # an unrelated peak on page 20
+    norms = torch.ones(3, n)
+    base = dict(use_prior=False, use_exclusivity=False, page_size=16)
+    plain = set(Selector(SelectorConfig(**base, follow_pages=0)).select(probs, norms, lo, lo + n, 32)[0].tolist())
+    follow = set(Selector(SelectorConfig(**base, follow_pages=1)).select(probs, norms, lo, lo + n, 32)[0].tolist())
+    page13 = set(range(lo + 208, lo + 224))
+    assert set(range(lo + 192, lo + 208)) <= plain and not page13 & plain and lo + 320 in plain
+    assert set(range(lo + 192, lo + 208)) <= follow and page13 <= follow

@@ -74,7 +74,7 @@ def make_batch(layout, block_size, seq_lens, query_lens, hq=9, hkv=3, d=64, seed
 
 def plan_for(modes, slots=None, refresh_all=None, cfg=None, context=None):
     n = len(modes)
-    cfg = cfg or build_config({"boundary_token_ids": [7]}, use_env=False)
+    cfg = cfg or build_config({"bridge_steps": 0, "boundary_token_ids": [7]}, use_env=False)
     return StepPlan(
         num_reqs=n, req_ids=[f"r{i}" for i in range(n)], slots=slots or list(range(n)),
         generations=[1] * n, modes=[int(m) for m in modes], reasons=[1 if m == StepMode.SLOW else 0 for m in modes],
@@ -105,7 +105,7 @@ def test_make_step_splits_rows_and_pads():
 
 
 def _run_layer(sfi_cfg, layout, block_size, seq_lens, query_lens, modes):
-    ctl = SFIController(build_config({"boundary_token_ids": [7], **sfi_cfg}, use_env=False), fake_vllm_config(sfi_cfg))
+    ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **sfi_cfg}, use_env=False), fake_vllm_config(sfi_cfg))
     layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
     paged, cam, q, ks, vs = make_batch(layout, block_size, seq_lens, query_lens)
     # slow step on every decode row first, then a fast step at the same context
@@ -161,7 +161,7 @@ def test_fast_step_with_small_budget_attends_exactly_the_working_set(layout):
 
 def test_fast_step_without_compact_set_is_an_error():
     cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0}
-    ctl = SFIController(build_config({"boundary_token_ids": [7], **cfg}, use_env=False), fake_vllm_config(cfg))
+    ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **cfg}, use_env=False), fake_vllm_config(cfg))
     layer = SFILayer(ctl, 9, 3, 64, 0.125)
     paged, cam, q, _, _ = make_batch("flash", 16, [300], [1])
     with pytest.raises(RuntimeError, match="no compact set"):
@@ -169,7 +169,7 @@ def test_fast_step_without_compact_set_is_an_error():
 
 
 def test_controller_plans_rows_and_recycles_slots():
-    cfg = {"reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7]}
+    cfg = {"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7]}
     ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=2))
     import numpy as np
 
@@ -191,7 +191,7 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
 
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, score_row_tables
 
-    cfg = {"reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
+    cfg = {"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
            "selected_tokens": 128, "fused_scores_tokens": 8192}
     ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
     ctl.graph_slow_ready = True
@@ -236,7 +236,7 @@ def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_t
 
     def controller(extra, staged=True):
         c = {**cfg, **extra}
-        ctl = SFIController(build_config(c, use_env=False), fake_vllm_config(c, max_num_seqs=4))
+        ctl = SFIController(build_config({"bridge_steps": 0, **c}, use_env=False), fake_vllm_config(c, max_num_seqs=4))
         ctl.graph_slow_ready = staged  # what the CUDA impl sets when its layers stage queries
         return ctl
 

@@ -25,7 +25,7 @@ def run(cfg, tokens, context_start=1000, slot=0):
 
 
 def test_first_decode_then_reuse_budget():
-    cfg = build_config({"reuse_budget": 5, "min_gap": 2}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 5, "min_gap": 2}, use_env=False)
     _, out = run(cfg, [WORD] * 13)
     modes = [m for m, _ in out]
     assert out[0] == (StepMode.SLOW, SlowReason.FIRST_DECODE)
@@ -35,7 +35,7 @@ def test_first_decode_then_reuse_budget():
 
 
 def test_boundary_fires_on_first_token_after_ender_and_skips_newlines():
-    cfg = build_config({"reuse_budget": 50, "min_gap": 3}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 50, "min_gap": 3}, use_env=False)
     toks = [WORD, WORD, WORD, WORD, END, NL, SPACE, WORD, WORD]
     _, out = run(cfg, toks)
     assert [m for m, _ in out][:7] == [StepMode.SLOW] + [StepMode.FAST] * 6
@@ -44,34 +44,34 @@ def test_boundary_fires_on_first_token_after_ender_and_skips_newlines():
 
 
 def test_boundary_at_ender_mode():
-    cfg = build_config({"reuse_budget": 50, "min_gap": 3, "boundary_fire": "at_ender"}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 50, "min_gap": 3, "boundary_fire": "at_ender"}, use_env=False)
     _, out = run(cfg, [WORD, WORD, WORD, WORD, END, WORD])
     assert out[4] == (StepMode.SLOW, SlowReason.BOUNDARY)
     assert out[5][0] == StepMode.FAST
 
 
 def test_boundary_inside_min_gap_is_dropped():
-    cfg = build_config({"reuse_budget": 50, "min_gap": 4}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 50, "min_gap": 4}, use_env=False)
     toks = [WORD, END, WORD, WORD, WORD, WORD, WORD]
     _, out = run(cfg, toks)
     assert all(m == StepMode.FAST for m, _ in out[1:])
 
 
 def test_boundary_trigger_off():
-    cfg = build_config({"reuse_budget": 50, "min_gap": 0, "boundary_trigger": False}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 50, "min_gap": 0, "boundary_trigger": False}, use_env=False)
     _, out = run(cfg, [WORD, END, WORD, END, WORD])
     assert all(m == StepMode.FAST for m, _ in out[1:])
 
 
 def test_dense_below_context_then_first_slow():
-    cfg = build_config({"dense_below_context": 1003}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "dense_below_context": 1003}, use_env=False)
     _, out = run(cfg, [WORD] * 5, context_start=1000)
     assert [m for m, _ in out] == [StepMode.DENSE] * 3 + [StepMode.SLOW, StepMode.FAST]
     assert out[3][1] == SlowReason.FIRST_DECODE
 
 
 def test_reset_and_slots_are_independent():
-    cfg = build_config({"reuse_budget": 3, "min_gap": 0}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0}, use_env=False)
     trig = SlowStepTrigger(cfg, num_slots=4, vocab_size=8, boundary=BOUNDARY)
     slots = torch.tensor([0, 2])
     toks = torch.tensor([WORD, WORD])
@@ -85,7 +85,7 @@ def test_reset_and_slots_are_independent():
 
 
 def test_boundary_trigger_needs_token_ids():
-    cfg = build_config({}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, }, use_env=False)
     with pytest.raises(ValueError, match="boundary_token_ids"):
         SlowStepTrigger(cfg, 2, 8, boundary=None)
 
@@ -143,7 +143,7 @@ def test_deferred_tokens_decide_exactly_as_reading_every_token(seed):
     from sfi_vllm.trigger import DeferredTokens
 
     g = torch.Generator().manual_seed(seed)
-    cfgs = [build_config(c, use_env=False) for c in MIXED_SLOT_CONFIGS]
+    cfgs = [build_config({"bridge_steps": 0, **c}, use_env=False) for c in MIXED_SLOT_CONFIGS]
     slots = 6
     eager = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
     lazy = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
@@ -185,7 +185,7 @@ def test_deferred_tokens_one_request_reads_only_past_the_gap():
     from sfi_vllm.trigger import DeferredTokens
 
     g = torch.Generator().manual_seed(0)
-    cfg = build_config({}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, }, use_env=False)
     eager = SlowStepTrigger(cfg, num_slots=1, vocab_size=8, boundary=BOUNDARY)
     lazy = SlowStepTrigger(cfg, num_slots=1, vocab_size=8, boundary=BOUNDARY)
     deferred = DeferredTokens(lazy)
@@ -202,7 +202,7 @@ def test_deferred_tokens_one_request_reads_only_past_the_gap():
 def test_deferred_tokens_never_read_without_the_boundary_trigger():
     from sfi_vllm.trigger import DeferredTokens
 
-    cfg = build_config({"boundary_trigger": False, "reuse_budget": 5, "min_gap": 0}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "boundary_trigger": False, "reuse_budget": 5, "min_gap": 0}, use_env=False)
     trig = SlowStepTrigger(cfg, num_slots=2, vocab_size=8, boundary=BOUNDARY)
     deferred = DeferredTokens(trig, max_steps=1000)
     for i in range(50):
@@ -213,7 +213,7 @@ def test_deferred_tokens_never_read_without_the_boundary_trigger():
 def test_lagged_tokens_fire_one_token_after_the_exact_rule():
     from sfi_vllm.trigger import DeferredTokens, LaggedTokens
 
-    cfg = build_config({"reuse_budget": 50, "min_gap": 3}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 50, "min_gap": 3}, use_env=False)
     toks = [WORD, WORD, WORD, WORD, END, NL, SPACE, WORD, WORD, WORD]
     out = {}
     for name, cls in (("exact", DeferredTokens), ("lagged", LaggedTokens)):
@@ -228,8 +228,8 @@ def test_lagged_tokens_fire_one_token_after_the_exact_rule():
 def test_boundary_read_auto_is_lagged_on_a_gpu_and_exact_on_the_cpu():
     from sfi_vllm.trigger import DeferredTokens, LaggedTokens, token_reader
 
-    assert build_config({}, use_env=False).boundary_read == "auto"
-    trig = SlowStepTrigger(build_config({}, use_env=False), num_slots=1, vocab_size=8, boundary=BOUNDARY)
+    assert build_config({"bridge_steps": 0, }, use_env=False).boundary_read == "auto"
+    trig = SlowStepTrigger(build_config({"bridge_steps": 0, }, use_env=False), num_slots=1, vocab_size=8, boundary=BOUNDARY)
     kinds = {(mode, dev): type(token_reader(mode, dev, trig))
              for mode in ("auto", "exact", "lagged") for dev in ("cpu", "cuda")}
     assert kinds == {("auto", "cpu"): DeferredTokens, ("auto", "cuda"): LaggedTokens,
@@ -247,7 +247,7 @@ def test_lagged_tokens_feed_every_row_its_previous_token(seed):
     from sfi_vllm.trigger import LaggedTokens
 
     g = torch.Generator().manual_seed(seed)
-    cfgs = [build_config(c, use_env=False) for c in MIXED_SLOT_CONFIGS[:4]]  # no dense range, no Quest
+    cfgs = [build_config({"bridge_steps": 0, **c}, use_env=False) for c in MIXED_SLOT_CONFIGS[:4]]  # no dense range, no Quest
     slots = len(cfgs)
     ref = SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY)
     lagged = LaggedTokens(SlowStepTrigger(cfgs[0], num_slots=slots, vocab_size=8, boundary=BOUNDARY))
@@ -281,3 +281,37 @@ def test_lagged_tokens_feed_every_row_its_previous_token(seed):
             prev[s] = int(all_tokens[r])
     assert boundaries > 5, boundaries
     assert lagged.waits == 0  # on the CPU the copies are synchronous: nothing to wait for
+
+
+def test_bridge_decodes_densely_then_selects_and_restarts_after_a_reset():
+    """The first bridge_steps decode steps after a prefill are dense (no boundary can fire in
+    them), the next is the first slow step; a reset (new prefill, preemption) starts a new bridge;
+    policies that do not refresh (snapkv) have no bridge."""
+    cfg = build_config({"bridge_steps": 3, "reuse_budget": 50, "min_gap": 0}, use_env=False)
+    trig, out = run(cfg, [WORD, END, WORD, WORD, END, WORD])
+    assert [m for m, _ in out] == [StepMode.DENSE] * 3 + [StepMode.SLOW, StepMode.FAST, StepMode.SLOW]
+    assert out[3][1] == SlowReason.FIRST_DECODE and out[5][1] == SlowReason.BOUNDARY
+    trig.reset(torch.tensor([0]))
+    modes = [StepMode(int(trig.step(torch.tensor([0]), torch.tensor([WORD]), torch.tensor([5000 + i]))[0][0]))
+             for i in range(5)]
+    assert modes == [StepMode.DENSE] * 3 + [StepMode.SLOW, StepMode.FAST]
+    snap = build_config({"policy": "snapkv", "bridge_steps": 3}, use_env=False)
+    _, out = run(snap, [WORD] * 3)
+    assert [m for m, _ in out] == [StepMode.SLOW, StepMode.FAST, StepMode.FAST]
+
+
+def test_bridge_with_lagged_and_deferred_token_reads_matches_exact_reads():
+    """The bridge is decided from context lengths, so the deferred reader (tokens kept through
+    the dense steps and replayed later) plans exactly what reading every token does."""
+    from sfi_vllm.trigger import DeferredTokens
+
+    cfg = build_config({"bridge_steps": 4, "reuse_budget": 50, "min_gap": 2}, use_env=False)
+    tokens = [WORD, END, NL, WORD, END, WORD, WORD, WORD, END, SPACE, WORD, WORD]
+    _, exact = run(cfg, tokens)
+    trig = SlowStepTrigger(cfg, num_slots=4, vocab_size=8, boundary=BOUNDARY)
+    reader = DeferredTokens(trig)
+    deferred = []
+    for i, t in enumerate(tokens):
+        m, r = reader.step([0], [1], torch.tensor([t]), [0], [1000 + i], [1, 1, 1, 1], defer=True)
+        deferred.append((StepMode(int(m[0])), SlowReason(int(r[0]))))
+    assert deferred == exact

@@ -1,16 +1,16 @@
 #!/bin/bash
-# Teacher-forced fidelity on the H200 (issue 4; `sfi-vllm fidelity`, as fidelity-cpu.md but 2K/4K/8K,
-# more documents and longer continuations), in one device call (32 documents: 358 s for 2K + 4K,
-# 218 s for 8K on the H200, 2026-12-01).
-# On the device machine, from the repository root, after ../shared/gpu/README.md's install, with
-# .gpu-data carried (.gpu-data/cache/texts holds the essay corpus; the device has no network):
+# Teacher-forced fidelity on the H200 (`sfi-vllm fidelity`: 2K/4K/8K essays, each policy forced along
+# dense attention's continuation; top-1 agreement and KL per step), in one device call.
+# On the device machine, from the repository root, after the GPU install, with .gpu-data carried
+# (.gpu-data/cache/texts holds the essay corpus; the device has no network):
 #   OUT=$OUT bash benchmarks/results/fidelity-h200.sh [DOCS [TOKENS]]
 # DOCS documents per context (default 12), TOKENS teacher-forced decode steps each (default 256);
-# CONTEXTS=2048,4096 (env) runs a subset of the contexts (default 2048,4096,8192).
+# CONTEXTS=2048,4096 (env) runs a subset of the contexts (default 2048,4096,8192); POLICIES and
+# RETENTIONS (env) as for `sfi-vllm fidelity` (defaults: dense, sfi, sfi-paper and the three
+# baselines at 10% and 20%).
 # One engine, three phases of TOKENS + 1 steps each (dense free-running; dense teacher-forced: the
-# reference; every policy teacher-forced and free-running): 3 x DOCS x 21 requests in the last
-# phase, in ceil(63 DOCS / 512) waves. Writes to $OUT: fidelity-h200.jsonl, fidelity-h200-raw.jsonl.xz,
-# fidelity-h200.md, fidelity.log.
+# reference; every policy teacher-forced and free-running). Writes to $OUT: fidelity-h200.jsonl,
+# fidelity-h200-raw.jsonl.xz, fidelity-h200.md, fidelity.log.
 set -uo pipefail
 . /tmp/sfi-env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 SFI_VLLM_CACHE=$PWD/.gpu-data/cache
@@ -24,7 +24,7 @@ if [ ! -f $M/config.json ]; then
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
 python3 -m sfi_vllm.cli fidelity --model $M --contexts "$CONTEXTS" --docs "$DOCS" --tokens "$T" \
-  --policies dense,sfi,streaming,snapkv,quest,sfi-no-nms,sfi-pages --retentions 0.1,0.2 \
+  --policies "${POLICIES:-dense,sfi,sfi-paper,streaming,snapkv,quest}" --retentions "${RETENTIONS:-0.1,0.2}" \
   --max-num-seqs 512 --gpu-memory-utilization 0.85 \
   --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \
   > "$OUT/fidelity.log" 2>&1

@@ -1,33 +1,32 @@
 #!/bin/bash
-# The H200 quality sweep of issue 4 at the +-2-point sample size, in one device call of at most
-# ~570 s: the flow runner (`eval --flow`: each sample's policy requests start as soon as its dense
-# request ends and reuse its prefix-cached prompt; at most --max-open samples open), headline
-# policies on every sample, the five SFI ablations on the first ABLATION_SAMPLES samples per task
-# and context, 2K/4K/8K, 10% and 20% retention. Samples open in index order (every task and context
-# alike), so a run cut by the time limit is balanced; what still runs at the limit is aborted and
-# only complete samples are scored.
+# The quality suite on the H200 in one device call of at most ~570 s: the flow runner (`eval --flow`:
+# each sample's policy requests start as soon as its dense request ends and reuse its prefix-cached
+# prompt; at most --max-open samples open), POLICIES on every sample at RETENTIONS, ABLATIONS on the
+# first ABLATION_SAMPLES samples per task and context, 2K/4K/8K. Samples open in index order (every
+# task and context alike), so a run cut by the time limit is balanced; what still runs at the limit
+# is aborted and only complete samples are scored.
 #
-# On the device machine, from the repository root, after ../shared/gpu/README.md's install
-# (vLLM 0.26.0 in /tmp/site, /tmp/sfi-env.sh), with .gpu-data carried (the suite files, made on the
-# development machine: sfi-vllm suite --contexts C --samples 300 --out .gpu-data/suite/suite-C.jsonl.xz):
+# On the device machine, from the repository root, after the GPU install (vLLM 0.26.0 in /tmp/site,
+# /tmp/sfi-env.sh), with .gpu-data carried (the suite files, made on the development machine:
+# sfi-vllm suite --contexts C --samples 120 --out .gpu-data/suite/suite-C.jsonl.xz):
 #   OUT=$OUT bash benchmarks/results/quality-h200-sweep.sh [TIME_LIMIT_S [ABLATION_SAMPLES [FIRST_SAMPLE]]]
-# POLICIES: the policies run on every sample (default the six headline ones; dense always runs, it
-# is the prefix every sample's other requests reuse). POLICIES=dense with ABLATION_SAMPLES > FIRST_SAMPLE
-# runs only the ablations (on samples FIRST_SAMPLE .. ABLATION_SAMPLES-1), pairing against an earlier
-# run's `sfi` after the merge.
-# SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}' (CUDA
-# graphs for the engine; the 2026-11-30 run was eager). TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
+# POLICIES (default: dense, the default sfi, the paper's Selector and the three baselines; dense
+# always runs, it is the prefix every sample's other requests reuse), RETENTIONS (default 0,0.1,0.2;
+# 0 is the engine's own working set: sinks 4 + K 2048 + window 256), ABLATIONS (default the default
+# sfi's ablations), TAG (output name, default quality-h200).
+# SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}'.
+# TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
 # about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
 # first be converted from the GGUF). FIRST_SAMPLE > 0 extends an earlier run with the samples from
 # that index on; merge with `sfi-vllm rescore RAW1,RAW2 --out rows.jsonl --merged-raw raw.jsonl`.
-# Writes to $OUT: quality-h200[-fromF].jsonl (rows), -raw.jsonl.xz (every request), .md (tables),
+# Writes to $OUT: $TAG[-fromF].jsonl (rows), -raw.jsonl.xz (every request), .md (tables),
 # eval.log; stream.jsonl.xz if the eval failed. The plot: `sfi-vllm report` on the development machine.
 set -uo pipefail
 . /tmp/sfi-env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/q-out}; mkdir -p "$OUT"
 LIMIT=${1:-440}; ABL=${2:-30}; FIRST=${3:-0}
-TAG=quality-h200; [ "$FIRST" = 0 ] || TAG=quality-h200-from$FIRST
+TAG=${TAG:-quality-h200}; [ "$FIRST" = 0 ] || TAG=$TAG-from$FIRST
 [ -z "${POLICIES:-}" ] || echo "policies: $POLICIES"
 M=/tmp/sfi-smol
 t_start=$(date +%s)
@@ -41,9 +40,9 @@ if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (../shar
 fi
 S=.gpu-data/suite
 python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
-  --contexts 2048,4096,8192 --samples 300 --first-sample "$FIRST" --no-progress \
-  --policies "${POLICIES:-dense,streaming,snapkv,quest,sfi,sfi-pages}" --retentions 0.1,0.2 \
-  --ablations sfi-no-prior,sfi-no-nms,sfi-no-exclusivity,sfi-interval,sfi-boundary --ablation-samples "$ABL" \
+  --contexts 2048,4096,8192 --samples "${SAMPLES:-120}" --first-sample "$FIRST" --no-progress \
+  --policies "${POLICIES:-dense,sfi@0/0.1/0.2,sfi-paper@0.1/0.2,quest@0.2,snapkv@0.2,streaming@0.2}" --retentions "${RETENTIONS:-0,0.2}" \
+  --ablations "${ABLATIONS:-sfi-no-bridge,sfi-no-follow,sfi-bridge-32,sfi-nms}" --ablation-samples "$ABL" \
   --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
   --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
 rc=${PIPESTATUS[0]}

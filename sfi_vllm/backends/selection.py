@@ -35,15 +35,17 @@ import torch
 from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 
-def top_k_function(kind: str):
+def top_k_function(kind: str, page_size: int = 0):
     """``sfi.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
-    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm_kernels.top_k``)."""
-    if kind == "triton":
+    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm_kernels.top_k``).
+    Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
+    score plus the in-page order), which the kernel's float32 radix select does not take."""
+    if kind not in ("torch", "triton"):
+        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
+    if kind == "triton" and page_size <= 1:
         from sfi_vllm_kernels.top_k import top_k_positions as kernel
 
         return kernel
-    if kind != "torch":
-        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
     return top_k_positions
 
 
@@ -77,7 +79,8 @@ class SlowStepSelection:
     def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME,
                  capture_after: int = CAPTURE_AFTER, top_k: str = "torch") -> None:
         self.max_graphs = max_graphs
-        self.top_k = top_k_function(top_k)  # sfi.selector_top_k
+        self.top_k_kind = top_k  # sfi.selector_top_k
+        top_k_function(top_k)  # validates the kind
         self.fused_max_frame = fused_max_frame
         self.capture_after = capture_after
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -125,7 +128,8 @@ class SlowStepSelection:
         def body() -> torch.Tensor:
             if selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame:  # fused kernels
                 scores = selector_scores(selector.cfg, entry.logits, entry.norms, lo, entry.counts)
-                return self.top_k(scores, lo, entry.budgets, kmax)
+                top_k = top_k_function(self.top_k_kind, selector.cfg.page_size)
+                return top_k(scores, lo, entry.budgets, kmax)
             # evidence smoothing or a frame past the bound: the torch Selector
             probs = torch.softmax(entry.logits, dim=-1)
             return select_batched_static(selector, probs, entry.norms, lo, entry.counts, entry.budgets, kmax)

@@ -46,7 +46,7 @@ from typing import Any
 
 from sfi_vllm.policies import policy_overrides
 
-DEFAULT_POLICIES = ("dense", "sfi", "streaming", "snapkv", "quest", "sfi-no-nms")
+DEFAULT_POLICIES = ("dense", "sfi", "sfi-paper", "streaming", "snapkv", "quest")
 DEFAULT_INSTRUCTION = "Summarize the text above in detail, section by section."
 TEMPLATE_ALLOWANCE = 64  # instruction + chat template tokens left out of the document's budget
 KL_METHOD = ("KL(dense || policy) in nats over the full vocabulary, float64, from the raw logits "

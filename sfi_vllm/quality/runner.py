@@ -108,11 +108,22 @@ def chunk_order(samples, tasks, contexts) -> list[int]:
                                                         t_ord.get(samples[i].task, 0)))
 
 
+def policy_retentions(policies, retentions) -> list[tuple[str, list[float]]]:
+    """``(policy, its retentions)`` for entries ``name`` (every retention of ``retentions``) or
+    ``name@r1/r2`` (those retentions only); retention 0 is the engine's own working set."""
+    out = []
+    for spec in policies:
+        name, _, own = spec.partition("@")
+        out.append((name, [float(x) for x in own.split("/")] if own else list(retentions)))
+    return out
+
+
 def build_requests(samples, policies, retentions, order: list[int], chunk_samples: int | None = None,
                    ablations=(), ablation_samples: int | None = None):
     """Requests (for :class:`sfi_vllm.engine_job.EngineJob`) and their keys ``(sample, policy,
     retention)``: per chunk of ``order``, a dense phase, then every other policy's phase."""
-    policies = list(dict.fromkeys(list(policies) + [p for p in ablations if p not in policies]))
+    plan = policy_retentions(list(policies) + list(ablations), retentions)
+    ablations = {name for name, _ in policy_retentions(ablations, retentions)}
     chunk = chunk_samples or max(1, len(order))
     requests, keys = [], []
     for c0 in range(0, len(order), chunk):
@@ -123,10 +134,10 @@ def build_requests(samples, policies, retentions, order: list[int], chunk_sample
             requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens, sfi={"policy": "dense"},
                                  phase=phase))
             keys.append((si, "dense", None))
-        for pol in policies:
+        for pol, rets in plan:
             if pol == "dense":
                 continue
-            for r in retentions:
+            for r in rets:
                 for si in part:
                     smp = samples[si]
                     if pol in ablations and ablation_samples is not None and smp.index >= ablation_samples:
@@ -143,17 +154,18 @@ def build_flow_requests(samples, policies, retentions, order: list[int], ablatio
     dense request, then every other policy's request on it, each waiting for the dense one
     (``"after"``), so its prompt is in the prefix cache when it starts (and taking the dense
     request's prompt tokens, so only the dense request carries the prompt text)."""
-    policies = list(dict.fromkeys(list(policies) + [p for p in ablations if p not in policies]))
+    plan = policy_retentions(list(policies) + list(ablations), retentions)
+    ablations = {name for name, _ in policy_retentions(ablations, retentions)}
     requests, keys = [], []
     for si in order:
         smp = samples[si]
         root = len(requests)
         requests.append(dict(prompt=smp.prompt, max_tokens=smp.max_new_tokens, sfi={"policy": "dense"}))
         keys.append((si, "dense", None))
-        for pol in policies:
+        for pol, rets in plan:
             if pol == "dense" or (pol in ablations and ablation_samples is not None and smp.index >= ablation_samples):
                 continue
-            for r in retentions:
+            for r in rets:
                 requests.append(dict(max_tokens=smp.max_new_tokens, sfi=policy_overrides(pol, r, smp.context_tokens),
                                      after=root))
                 keys.append((si, pol, r))
@@ -195,6 +207,7 @@ def per_request(samples, keys, res) -> tuple[list[dict], int]:
                         out_tokens=len(o["token_ids"]), prompt_tokens=o.get("prompt_tokens"),
                         cached_tokens=o.get("cached_tokens"),
                         attended_fraction=st.get("attended_fraction"),
+                        decode_attended_fraction=st.get("decode_attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
                         decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
     return per, len(missing)
