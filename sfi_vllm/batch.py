@@ -229,7 +229,7 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
                     rec["sfi_stats"] = st.to_dict()
             finish(rec)
         elapsed = time.perf_counter() - t0
-        if elapsed - last_shown >= 0.5:  # the rate moves at every step; redraw twice a second
+        if not by_tokens and elapsed - last_shown >= 0.5:  # the rate moves at every step; redraw twice a second
             last_shown = elapsed
             bar.set_postfix_str(f"{totals['generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s")
     bar.close()

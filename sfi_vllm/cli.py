@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", default=None, help="also write the full results here")
     demo.add_argument("--cache-dir", default=None)
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, in_process_engine=True)
 
     from sfi_vllm.policies import POLICIES
 
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
     ba.add_argument("--no-progress", action="store_true", help="no progress bar")
     _engine_args(ba)
-    ba.set_defaults(func=_cmd_batch)
+    ba.set_defaults(func=_cmd_batch, in_process_engine=True)
 
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
@@ -356,7 +356,19 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        if getattr(args, "in_process_engine", False) and argv is None:
+            # The engine ran in this process. At interpreter exit, Triton's bindings (nanobind) then
+            # print pages of "leaked instance" reports after the command's output; they are harmless
+            # and say nothing to a user. The command is done and its files are closed: leave now.
+            import logging
+            import os
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     except UsageError as e:
         if args.debug:
             raise

@@ -68,7 +68,8 @@ def format_stats(st: dict[str, Any]) -> str:
             f"{st['mean_context_per_fast_step']:.0f} context tokens per layer and KV head "
             f"({100 * st['attended_fraction']:.1f}%)\n"
             f"  slow steps: {st['slow_steps']} of {st['decode_steps']} decode steps ({reasons}); "
-            f"{st['fast_steps']} fast")
+            f"{st['fast_steps']} fast, {st['dense_steps']} dense (the bridge after the prompt, or a context too "
+            "short to select from)")
 
 
 def gpu_result_link() -> str:
@@ -84,7 +85,7 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
 
     sfi_cfg = dict(DEMO_SFI if sfi is None else sfi)
     build_config(sfi_cfg)  # fail early, with the field named, on a bad setting
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; keep the demo's output readable
     engine_env_for_this_process()
 
     import torch

@@ -141,3 +141,17 @@ def test_readme_python_snippet_runs_as_a_script(model_dir, tmp_path):
                           env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip(), "the snippet printed no generated text"
+
+
+@pytest.mark.engine
+def test_demo_ends_with_a_verdict(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "demo", "--prompts", "1", "--prompt-tokens", "400",
+                           "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"agreement with dense: \d+\.\d% teacher-forced top-1 \(\d+ of 11 decode steps\)", out), out
+    assert re.search(r"a fast step read \d+ of \d+ context tokens", out) or "0 fast" in out, out
+    assert re.search(r"slow steps: \d+ of 11 decode steps", out), out
+    assert "Verdict: SFI chose dense's next token" in out and "e2e-h200.md" in out and "GPU matter" in out
+    assert re.search(r"dense: .*tok/s", proc.stderr), "no progress bar"
+    assert "leaked" not in proc.stderr

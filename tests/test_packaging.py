@@ -122,3 +122,27 @@ def test_wheel_build_has_no_setuptools_warning(image_wheel):
     _, log = image_wheel
     for marker in ("Warning:", "would be ignored", "!!"):
         assert marker not in log, f"setuptools warned ({marker!r}):\n{log[-4000:]}"
+
+
+def test_readme_config_table_is_current():
+    from sfi_vllm.config_table import markdown_table, readme_table
+
+    readme = (REPO / "README.md").read_text()
+    assert readme_table(readme) == markdown_table(), \
+        "the README's configuration table is stale: run `python -m sfi_vllm.config_table README.md`"
+
+
+def test_readme_commands_and_house_rules():
+    """The README's two commands are the ones .ci/run runs; the README is a manual (no dates,
+    commit ids or paths outside the clone)."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert "bash scripts/setup_cpu.sh && .venv/bin/sfi-vllm demo" in readme
+    assert ".venv/bin/python -m pytest -q -ra tests" in readme
+    assert ".venv/bin/python -m pytest -q -ra tests" in (REPO / ".ci" / "run").read_text()
+    for doc in ("README.md", "benchmarks/README.md"):
+        text = (REPO / doc).read_text()
+        assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{doc} has a date"
+        assert "../shared" not in text and not re.search(r"(?i)\bsession\b", text), doc
+        assert not re.search(r"\bcommit [0-9a-f]{7}\b", text), f"{doc} names a commit"
