@@ -1,6 +1,7 @@
 """Kernel-vs-reference checks, shared by the GPU tests and the CPU run under Triton's interpreter.
 
-Run directly: ``TRITON_INTERPRET=1 python tests/kernel_checks.py cpu`` (small sizes, float32/16).
+Run directly: ``TRITON_INTERPRET=1 python tests/kernel_checks.py cpu`` (small sizes, float32/16);
+``python tests/kernel_checks.py cuda`` (every check) or ``selection`` (the Selector's) on a GPU.
 """
 
 from __future__ import annotations
@@ -825,5 +826,25 @@ def run_all(device: str) -> None:
     print("kernel checks passed (cuda)")
 
 
+def run_selection(device: str = "cuda") -> None:
+    """The checks a change to the Selector or its settings needs: the fused Selector against the
+    torch one at three frames (9 variants each), and the layers' slow steps that use it (per layer,
+    per step, inside a CUDA graph with and without fused scores) at both tested shapes."""
+    check_selector_scores(device)
+    check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
+    check_selector_scores(device, frame=131072, seq_lens=(131072, 70000), kmax=2048)
+    for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+        check_packed_layer(device, torch.bfloat16, hq=hq, hkv=hkv, d=d, policy="sfi")
+        check_packed_layer(device, torch.bfloat16, hq=hq, hkv=hkv, d=d, refresh="per_step")
+        check_step_refresh(device, torch.bfloat16, hq=hq, hkv=hkv, d=d)
+        check_graph_slow(device, torch.bfloat16, hq=hq, hkv=hkv, d=d)
+        check_graph_slow(device, torch.bfloat16, hq=hq, hkv=hkv, d=d, fused=True)
+    print(f"selection kernel checks passed ({device})")
+
+
 if __name__ == "__main__":
-    run_all(sys.argv[1] if len(sys.argv) > 1 else "cuda")
+    what = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    if what == "selection":
+        run_selection("cuda")
+    else:
+        run_all(what)
