@@ -1,10 +1,16 @@
 # CUDA serving image: vLLM 0.26.0's official OpenAI server image plus sfi-vllm.
 #   docker build -t sfi-vllm .
-#   docker run --gpus all -p 8000:8000 sfi-vllm Qwen/Qwen3-4B --additional-config '{"sfi": {"preset": "balanced"}}'
-# Not built or run in this project's CI: its machines have no Docker engine and no GPU.
+#   docker run --gpus all --ipc=host -p 8000:8000 sfi-vllm Qwen/Qwen3-4B \
+#       --additional-config '{"sfi": {"preset": "balanced"}}'
+# The arguments after the image name go to `vllm serve --attention-backend sfi`.
+# The project's CI has no Docker engine and no GPU, so it never builds this image. Instead,
+# tests/test_packaging.py copies exactly the paths named by the COPY lines below into an empty
+# directory and builds the wheel there, so a file that pyproject.toml needs but the image lacks
+# fails a test.
 FROM vllm/vllm-openai:v0.26.0
 COPY pyproject.toml README.md /opt/sfi-vllm/
 COPY sfi_vllm /opt/sfi-vllm/sfi_vllm
 COPY configs /opt/sfi-vllm/configs
+COPY kernels /opt/sfi-vllm/kernels
 RUN pip install --no-cache-dir /opt/sfi-vllm
 ENTRYPOINT ["vllm", "serve", "--attention-backend", "sfi"]

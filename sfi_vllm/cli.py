@@ -14,34 +14,88 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_arg(text: str | None, flag: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag}: must be a JSON object")
+    return value
+
+
+class UsageError(ValueError):
+    """A bad command-line value: printed as one line, exit status 2."""
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from sfi_vllm.config import SFIConfigError
     from sfi_vllm.demo import DEMO_SFI, run_demo
 
     sfi = dict(DEMO_SFI)
     if args.sfi:
-        given = json.loads(args.sfi)
+        given = _json_arg(args.sfi, "--sfi")
         sfi = given if args.sfi_replace else {**DEMO_SFI, **given}
-    try:
-        run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
-                 max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
-                 cache_dir=args.cache_dir)
-    except SFIConfigError as e:
-        print(f"sfi-vllm demo: {e}", file=sys.stderr)
-        return 2
+    run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+             max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
+             cache_dir=args.cache_dir)
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from sfi_vllm.config import SFIConfigError, build_config
+    from sfi_vllm.config import build_config
 
-    try:
-        cfg = build_config(json.loads(args.sfi) if args.sfi else {})
-    except SFIConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+    if args.markdown:
+        from sfi_vllm.config_table import markdown_table
+
+        print(markdown_table(), end="")
+        return 0
+    cfg = build_config(_json_arg(args.sfi, "--sfi"))
     print(json.dumps(cfg.model_dump(), indent=1))
     return 0
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from sfi_vllm.batch import engine_env_for_this_process, run_batch
+    from sfi_vllm.config import build_config
+
+    engine_sfi = _json_arg(args.sfi, "--sfi")
+    engine_kwargs = _json_arg(args.engine_kwargs, "--engine-kwargs")
+    dense = args.attention_backend.lower() == "dense"
+    if not dense:
+        build_config(engine_sfi)  # a bad setting stops here, before the engine loads
+    model = _model_dir(args.model, "batch")
+    engine_env_for_this_process()
+    import torch
+    from vllm import LLM
+
+    kwargs = dict(model=model, max_num_seqs=args.max_num_seqs,
+                  dtype=args.dtype if args.dtype != "auto" or torch.cuda.is_available() else "float32")
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if not dense:
+        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": engine_sfi})
+    kwargs.update(engine_kwargs)
+    llm = LLM(**kwargs)
+    t = run_batch(args.input, args.output, llm, max_tokens=args.max_tokens,
+                  max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
+                  progress=not args.no_progress)
+    print(f"sfi-vllm batch: {t['requests']} requests written to {args.output} ({t['errors']} failed, "
+          f"{t['skipped']} already there), {t['generated_tokens']} tokens in {t['seconds']:.1f} s "
+          f"({t['generated_tokens'] / max(t['seconds'], 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 1 if t["errors"] else 0
+
+
+def _model_dir(given: str | None, command: str) -> str:
+    """The model to load: as given (a directory or a model name vLLM can fetch), else the embedded one."""
+    if given is not None:
+        return given
+    from sfi_vllm.model_prep import prepare_model
+
+    return str(prepare_model(progress=True))
 
 
 def _engine_kwargs(text: str | None) -> dict:
@@ -178,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", default=None, help="also write the full results here")
     demo.add_argument("--cache-dir", default=None)
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, in_process_engine=True)
 
     from sfi_vllm.policies import POLICIES
 
@@ -269,13 +323,60 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
     cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")
+    cfg.add_argument("--markdown", action="store_true",
+                     help="print the table of every field (default, allowed values, meaning) instead")
     cfg.set_defaults(func=_cmd_config)
+
+    ba = sub.add_parser("batch", help="generate for every line of a JSON-lines file, results streamed to another",
+                        description="Offline batch generation through one vLLM engine; the input format is "
+                                    "in `python -c 'import sfi_vllm.batch; help(sfi_vllm.batch)'` and the README.")
+    ba.add_argument("input", metavar="IN.jsonl")
+    ba.add_argument("output", metavar="OUT.jsonl", help="appended to; ids already in it are skipped (resume)")
+    ba.add_argument("--attention-backend", default="sfi", help="sfi (default), or dense: vLLM's own backend")
+    ba.add_argument("--sfi", default=None, help="JSON: the engine's SFI settings, as in --additional-config's 'sfi'")
+    ba.add_argument("--max-tokens", type=int, default=256, help="for lines whose sampling gives none (default 256)")
+    ba.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
+    ba.add_argument("--max-open", type=int, default=None,
+                    help="requests in the engine at a time (default: 2 x --max-num-seqs)")
+    ba.add_argument("--retry-errors", action="store_true", help="run the ids whose output line is an error again")
+    ba.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
+    ba.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _engine_args(ba)
+    ba.set_defaults(func=_cmd_batch, in_process_engine=True)
+
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help="show the Python traceback of an error (also: SFI_VLLM_DEBUG=1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sfi_vllm.startup_errors import report, tracebacks_wanted
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        if getattr(args, "in_process_engine", False) and argv is None:
+            # The engine ran in this process. At interpreter exit, Triton's bindings (nanobind) then
+            # print pages of "leaked instance" reports after the command's output; they are harmless
+            # and say nothing to a user. The command is done and its files are closed: leave now.
+            import logging
+            import os
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
+    except UsageError as e:
+        if args.debug:
+            raise
+        print(f"sfi-vllm {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if args.debug or tracebacks_wanted() or not report(e, f"sfi-vllm {args.command}"):
+            raise
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ is not copied: fast steps read it in place from the paged cache. ``window_start`
 slow step (aligned down to ``window_align``), so tokens that arrive during the fast steps join the
 window and nothing falls between the selected set and the window.
 
-This is the plain-torch reference (entries allocated per request). The GPU path (issue 3) keeps
+This is the plain-torch reference (entries allocated per request). The GPU path keeps
 preallocated, double-buffered storage with the same contents.
 """
 

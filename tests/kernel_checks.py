@@ -817,7 +817,7 @@ def run_all(device: str) -> None:
     check_selector_scores(device, hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000))
     check_selector_scores(device, frame=131072, seq_lens=(131072, 70000), kmax=2048)  # 32 splits
     # launch parameters other than the defaults, the extremes of those benchmarks/selector_bench.py times
-    # (the second: the defaults before 2026-12-01)
+    # (the second: the earlier defaults)
     for block, launch in ((2048, dict(target_programs=2048, num_warps=8, tile=256, nms_tile=256, nms_elems=2048)),
                           (1024, dict(target_programs=512, num_warps=4, tile=256, nms_tile=256, nms_elems=2048)),
                           (512, dict(target_programs=4096, num_warps=4, tile=256, nms_tile=512, nms_elems=4096))):

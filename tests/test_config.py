@@ -19,7 +19,7 @@ def test_override_beats_preset_and_file(tmp_path, monkeypatch):
     f.write_text("preset: speed\nreuse_budget: 40\nsinks: 8\n")
     monkeypatch.setenv("SFI_CONFIG", str(f))
     cfg = build_config({"sinks": 2})
-    assert (cfg.preset, cfg.reuse_budget, cfg.sinks, cfg.selected_tokens) == ("speed", 40, 2, 1536)
+    assert (cfg.preset, cfg.reuse_budget, cfg.sinks, cfg.selected_tokens) == ("speed", 40, 2, 2048)
 
 
 def test_fraction_budget_with_floor_and_cap():
@@ -110,3 +110,13 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
     assert not refresh_per_step("auto", [131072] * 6)
     assert refresh_per_step("auto", [AUTO_MAX_TOKENS]) and not refresh_per_step("auto", [AUTO_MAX_TOKENS, 1])
     assert refresh_per_step("per_step", [131072] * 6) and not refresh_per_step("per_layer", [10])
+
+
+def test_speed_preset_is_the_measured_benchmark_setting():
+    """The speed preset is the configuration benchmarks/results/e2e-h200.md measured: the paper's
+    Selector (preset "paper") without the boundary trigger and with a reuse budget of 20. So it
+    keeps slow steps inside CUDA graphs and the fused slow-step scores (no layer interleaving)."""
+    measured = build_config({"preset": "paper", "boundary_trigger": False, "reuse_budget": 20}, use_env=False)
+    cfg = build_config({"preset": "speed"}, use_env=False)
+    assert cfg.model_dump(exclude={"preset"}) == measured.model_dump(exclude={"preset"})
+    assert cfg.graph_slow_enabled and not cfg.layer_interleaved_refresh and cfg.fused_scores_tokens == "auto"

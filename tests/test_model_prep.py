@@ -144,9 +144,16 @@ def test_second_call_is_noop(prepared_model):
     assert (marker.stat().st_mtime_ns, (prepared_model / "model.safetensors").stat().st_mtime_ns) == before
 
 
-def test_prepare_prints_path_when_progress(prepared_model, capsys):
-    prepare_model(progress=True)
-    assert capsys.readouterr().out.strip() == str(prepared_model)
+def test_prepare_writes_nothing_to_stdout(prepared_model, capsys):
+    assert prepare_model(progress=True) == prepared_model
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_prints_the_directory_once(prepared_model):
+    """``DIR=$(sfi-vllm prepare-model)`` must give exactly the directory."""
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "prepare-model"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert proc.stdout == f"{prepared_model}\n"
 
 
 def test_tokenizer_chat_template(prepared_model):

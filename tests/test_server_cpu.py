@@ -98,3 +98,4 @@ def test_bad_sfi_config_fails_at_startup_with_a_clear_error(model_dir, tmp_path)
     assert rc != 0
     assert "invalid SFI configuration" in out and "sfi.recent_window" in out
     assert "1 <= value" in out
+    assert "Traceback" not in out  # the message alone (sfi_vllm.startup_errors)

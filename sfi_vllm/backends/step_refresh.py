@@ -29,8 +29,7 @@ logits, sampling) and the next step's host preparation.
 fast-step kernel that attends densely for the slow rows also writes their logits and key norms
 into :class:`FusedScoreBuffers`, laid out per group of slow rows as ``(layers, rows, Hkv, G,
 width)`` (:func:`plan_score_frames`), and the refresh skips the score kernel: the keys are read
-once per slow step instead of twice. Measured on the H200 (e2e-h200.md, 2026-12-01): 3.5-3.7%
-more decode throughput at 16 x 16K and 8 x 32K, slow steps 2.7-2.8 ms shorter.
+once per slow step instead of twice (measured on the H200: benchmarks/results/e2e-h200.md).
 """
 
 from __future__ import annotations
@@ -56,12 +55,10 @@ from sfi_vllm.selector import select_batched_static
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
 # slow_refresh = "auto": per step while a group's slow rows hold at most this many tokens in all.
-# Measured on the H200 (e2e-h200.md, 2026-11-30, one slow step per 21): per step was faster at
-# 1 x 8K, 1 x 32K, 1 x 128K, 16 x 16K and 8 x 32K (up to 262,144 tokens; ratios 0.88 / 1.12 /
-# 1.62 / 1.92 / 2.38x against 0.68 / 0.89 / 1.41 / 1.77 / 1.89x per layer) and slower at 6 x 128K
-# (786,432 tokens; 4.77x against 5.25x), where the device is busy and the per-layer path hides part
-# of the selection behind the next layers. The bound lies between the two measured sizes; it was
-# not tuned further.
+# On the H200 (benchmarks/results/e2e-h200.md) per step was faster up to 262,144 slow-row tokens
+# (1 x 8K to 8 x 32K) and slower at 786,432 (6 x 128K), where the device is busy and the per-layer
+# path hides part of the selection behind the next layers. The bound lies between the two measured
+# sizes; it is not tuned further.
 AUTO_MAX_TOKENS = 1 << 19
 
 

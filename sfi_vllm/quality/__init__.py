@@ -1,1 +1,1 @@
-"""Offline long-context quality suite (issue 4)."""
+"""Offline long-context quality suite: tasks, runner, teacher forcing, fidelity and reports."""

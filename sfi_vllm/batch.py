@@ -1,0 +1,344 @@
+"""``sfi-vllm batch IN.jsonl OUT.jsonl``: offline batch generation through one vLLM engine.
+
+Every input line is one request, in either form:
+
+* ``{"id": "a", "prompt": "text"}`` or ``{"id": "b", "messages": [{"role": "user", "content": "..."}]}``,
+  optionally with ``"sampling": {...}`` (any ``vllm.SamplingParams`` field: ``max_tokens``,
+  ``temperature``, ``top_p``, ``stop``, ...) and ``"sfi": {...}`` (the request's SFI settings, as
+  in ``SamplingParams(extra_args={"sfi": ...})``, e.g. ``{"selected_tokens": 512}`` or
+  ``{"policy": "dense"}``);
+* a line of vLLM's ``run-batch`` / OpenAI batch file: ``{"custom_id": "a", "url":
+  "/v1/chat/completions", "body": {"messages": [...], "max_tokens": 64, ...}}``; the body's
+  sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs.sfi``) as the SFI settings.
+
+Each finished request is appended to the output as one JSON line as soon as it finishes:
+``{"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "sfi_stats"}``. A line that
+cannot run (bad JSON, bad sampling or SFI settings, a prompt longer than the engine allows) is
+written as ``{"id", "line", "error"}`` and the run goes on. Ids already in the output are skipped,
+so an interrupted run resumes where it stopped (``retry_errors`` runs the failed ids again).
+
+Why a command of ours and not vLLM's ``run-batch`` with the SFI backend (which works too, since the
+backend is a plugin): ``run-batch`` submits every line at once and writes the output only at the
+end, a malformed line aborts the whole run, it cannot resume, and it does not return SFI's
+per-request statistics. This command reads run-batch's input format as well, so the same files work
+with both.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so every request's SFI
+statistics are read from the worker's controller as it finishes (one worker: with tensor or
+pipeline parallelism the statistics live in other processes and ``sfi_stats`` is left out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+
+class BatchLine(BaseModel):
+    """One request of a batch file (the module doc lists the fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = {}
+    sfi: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "BatchLine":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class LineError(ValueError):
+    """A batch line that cannot run: ``LineError(request_id, message)``."""
+
+
+_OPENAI_BODY_INPUTS = {"messages", "prompt"}
+_OPENAI_BODY_IGNORED = {"model", "stream", "stream_options", "n"}
+
+
+def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
+    """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
+    body = dict(data.get("body") or {})
+    if body.get("stream"):
+        raise ValueError("streaming requests are not supported in a batch")
+    if body.get("n", 1) != 1:
+        raise ValueError("n > 1 is not supported in a batch (one completion per line)")
+    xargs = body.pop("vllm_xargs", None) or {}
+    sfi = body.pop("sfi", None) or xargs.get("sfi")
+    line = {k: body.pop(k) for k in list(body) if k in _OPENAI_BODY_INPUTS}
+    for k in _OPENAI_BODY_IGNORED:
+        body.pop(k, None)
+    if "max_completion_tokens" in body:
+        body["max_tokens"] = body.pop("max_completion_tokens")
+    return dict(id=data.get("custom_id"), **line, sampling=body, sfi=sfi)
+
+
+def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
+    """The request id and the validated request of one input line (1-based ``lineno``; a line
+    without an id gets ``line-<lineno>``). Raises :class:`LineError` with the id it could read."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LineError(f"line-{lineno}", f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise LineError(f"line-{lineno}", "a line must be a JSON object")
+    rid = str(data.get("id") or data.get("custom_id") or f"line-{lineno}")
+    try:
+        fields = _from_openai_batch(data) if "body" in data else data
+        req = BatchLine.model_validate(fields)
+    except ValidationError as e:
+        msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg'].removeprefix('Value error, ')}"
+                        for err in e.errors())
+        raise LineError(rid, msg) from None
+    except ValueError as e:
+        raise LineError(rid, str(e)) from None
+    return rid, req
+
+
+def done_ids(out: Path, retry_errors: bool = False) -> set[str]:
+    """Ids already in the output file. A last line cut off by a kill is dropped from the file, so
+    that what is appended starts on a line of its own; with ``retry_errors`` the error records are
+    dropped too (those ids run again)."""
+    if not out.exists():
+        return set()
+    raw = out.read_text()
+    lines = raw.splitlines(keepends=True)
+    kept, ids = [], set()
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # cut off
+        if retry_errors and rec.get("error") is not None:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+        ids.add(str(rec.get("id")))
+    text = "".join(kept)
+    if text != raw:
+        out.write_text(text)
+    return ids
+
+
+@dataclass
+class Request:
+    """A request handed to :func:`run_requests`."""
+
+    id: str
+    params: Any  # vllm.SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done: Callable[[dict[str, Any]], None],
+                 total: int | None = None, max_open: int = 16, desc: str = "sfi-vllm batch",
+                 progress: bool = True, total_tokens: int | None = None) -> dict[str, Any]:
+    """Run ``requests`` through ``llm`` (a ``vllm.LLM``), keeping at most ``max_open`` in the engine,
+    and call ``on_done`` with each one's record as it finishes. An item of ``requests`` that is a
+    dict is an error record already made; it is passed on as it is. A request the engine refuses
+    (e.g. a prompt too long) becomes an error record too. Records of finished requests hold the
+    output (``text``, ``token_ids``, ``finish_reason``, token counts, ``logprobs`` if asked for) and,
+    where the engine's SFI controller runs in this process, ``sfi_stats``. Shows a tqdm bar with
+    the generated tokens/s: of finished requests out of ``total``, or, with ``total_tokens``, of
+    generated tokens (it moves at every step). Returns totals: requests, errors, generated tokens,
+    seconds."""
+    from tqdm import tqdm
+
+    from sfi_vllm.controller import current_controller, external_request_id
+
+    engine = llm.llm_engine
+    ctl = current_controller()
+    # enqueue returns the engine's internal request ids; outputs carry the external ones
+    open_reqs: dict[str, str] = {}  # vLLM's external request id -> ours
+    internal: dict[str, str] = {}  # external -> internal (the worker's statistics are keyed by it)
+    seen_tokens: dict[str, int] = {}
+    totals = dict(requests=0, errors=0, generated_tokens=0)
+    t0 = time.perf_counter()
+    by_tokens = total_tokens is not None
+    bar = tqdm(total=total_tokens if by_tokens else total, desc=desc, unit="tok" if by_tokens else "req",
+               disable=not progress, dynamic_ncols=True)
+    pending = iter(requests)
+    exhausted = False
+    last_shown = 0.0
+
+    def finish(rec: dict[str, Any]) -> None:
+        totals["requests"] += 1
+        totals["errors"] += rec.get("error") is not None
+        on_done(rec)
+        if not by_tokens:
+            bar.update(1)
+
+    while True:
+        while not exhausted and len(open_reqs) < max_open:
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                break
+            if isinstance(item, dict):
+                finish(item)
+                continue
+            try:
+                if item.messages is not None:
+                    (rid,) = llm.enqueue_chat([item.messages], [item.params], use_tqdm=False)
+                elif item.prompt_token_ids is not None:
+                    (rid,) = llm.enqueue([{"prompt_token_ids": item.prompt_token_ids}], [item.params],
+                                         use_tqdm=False)
+                else:
+                    (rid,) = llm.enqueue([item.prompt], [item.params], use_tqdm=False)
+            except Exception as e:  # the engine refused it: record and go on
+                finish(dict(id=item.id, error=f"{type(e).__name__}: {e}"))
+                continue
+            open_reqs[external_request_id(rid)] = item.id
+            internal[external_request_id(rid)] = rid
+        if not open_reqs:
+            if exhausted:
+                break
+            continue
+        if not engine.has_unfinished_requests():
+            for rid, our_id in open_reqs.items():  # cannot happen unless vLLM dropped a request
+                finish(dict(id=our_id, error="the engine finished without an output for this request"))
+            open_reqs.clear()
+            continue
+        for o in engine.step():
+            if o.request_id not in open_reqs:
+                continue
+            n = len(o.outputs[0].token_ids)
+            totals["generated_tokens"] += n - seen_tokens.get(o.request_id, 0)
+            if by_tokens:
+                bar.update(n - seen_tokens.get(o.request_id, 0))
+            seen_tokens[o.request_id] = n
+            if not o.finished:
+                continue
+            our_id = open_reqs.pop(o.request_id)
+            seen_tokens.pop(o.request_id, None)
+            rec = _record(our_id, o)
+            if ctl is not None:
+                st = ctl.stats.lookup(internal.pop(o.request_id))
+                if st is not None:
+                    rec["sfi_stats"] = st.to_dict()
+            finish(rec)
+        elapsed = time.perf_counter() - t0
+        if not by_tokens and elapsed - last_shown >= 0.5:  # the rate moves at every step; redraw twice a second
+            last_shown = elapsed
+            bar.set_postfix_str(f"{totals['generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s")
+    bar.close()
+    totals["seconds"] = time.perf_counter() - t0
+    return totals
+
+
+def _record(our_id: str, o: Any) -> dict[str, Any]:
+    c = o.outputs[0]
+    rec: dict[str, Any] = dict(id=our_id, text=c.text, finish_reason=c.finish_reason,
+                               prompt_tokens=len(o.prompt_token_ids or []), completion_tokens=len(c.token_ids),
+                               token_ids=list(c.token_ids))
+    if c.logprobs is not None:
+        rec["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
+    return rec
+
+
+def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callable[[BatchLine], Any],
+              check_sfi: Callable[[dict[str, Any]], None]) -> Iterator[Request | dict[str, Any]]:
+    """The input lines as :class:`Request` objects, or error records for lines that cannot run."""
+    from sfi_vllm.config import SFIConfigError
+
+    seen: set[str] = set()
+    for lineno, text in lines:
+        try:
+            rid, req = parse_line(text, lineno)
+        except LineError as e:
+            rid, msg = e.args
+            if rid in skip:
+                continue
+            yield dict(id=rid, line=lineno, error=msg)
+            continue
+        if rid in skip:
+            continue
+        if rid in seen:
+            yield dict(id=rid, line=lineno, error=f"duplicate id {rid!r} (an earlier line has it)")
+            continue
+        seen.add(rid)
+        try:
+            if req.sfi:
+                check_sfi(req.sfi)
+            params = make_params(req)
+        except SFIConfigError as e:
+            yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
+            continue
+        except Exception as e:  # SamplingParams refused the sampling fields
+            yield dict(id=rid, line=lineno, error=" ".join(f"{type(e).__name__}: {e}".split()))
+            continue
+        yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages)
+
+
+def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: int = 256,
+              max_open: int = 16, retry_errors: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run every request of ``in_path`` not yet in ``out_path`` through ``llm`` (module doc)."""
+    from vllm import SamplingParams
+
+    from sfi_vllm.controller import current_controller
+
+    in_path, out_path = Path(in_path), Path(out_path)
+    skip = done_ids(out_path, retry_errors)
+    lines = [(i, t) for i, t in enumerate(in_path.read_text().splitlines(), 1) if t.strip()]
+    # the model's generation_config.json defaults (temperature, top_p, ...), as `vllm serve` uses them
+    defaults = dict(llm.model_config.get_diff_sampling_param() or {})
+    ctl = current_controller()
+
+    def make_params(req: BatchLine) -> Any:
+        kw = {"max_tokens": max_tokens, **defaults, **req.sampling}
+        extra = dict(kw.pop("extra_args", None) or {})
+        if req.sfi:
+            extra["sfi"] = req.sfi
+        return SamplingParams(**kw, extra_args=extra or None)
+
+    def check_sfi(sfi: dict[str, Any]) -> None:
+        # Where the controller is in this process, a bad request setting is this line's error. Else
+        # (dense engine, several workers) the worker checks it: a bad one runs densely and its
+        # statistics say why.
+        if ctl is not None:
+            ctl.request_config(sfi)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    todo = sum(1 for _ in lines) - len(skip & {_peek_id(t, i) for i, t in lines})
+    with open(out_path, "a") as f:
+        def write(rec: dict[str, Any]) -> None:
+            rec.pop("token_ids", None)
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+        totals = run_requests(llm, _requests(lines, skip, make_params, check_sfi), write, total=todo,
+                              max_open=max_open, progress=progress)
+    totals["skipped"] = len(lines) - todo
+    return totals
+
+
+def _peek_id(text: str, lineno: int) -> str:
+    try:
+        return parse_line(text, lineno)[0]
+    except LineError as e:
+        return e.args[0]
+
+
+def engine_env_for_this_process() -> None:
+    """Environment an in-process engine needs, set before vLLM is imported: the engine core in this
+    process (so the controller's statistics can be read), and on a CPU machine the thread binding
+    and KV-cache size of :func:`sfi_vllm.engine_job.cpu_engine_env` unless already set."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+
+    if not torch.cuda.is_available():
+        from sfi_vllm.engine_job import cpu_engine_env
+
+        for k, v in cpu_engine_env().items():
+            os.environ.setdefault(k, v)

@@ -1,0 +1,161 @@
+"""Offline use on the CPU engine: ``sfi-vllm batch``, ``python -m sfi_vllm.engine_job`` and the
+README's Python snippet, each run as a user runs it (a fresh process, vLLM's default settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sfi_vllm.batch import LineError, done_ids, parse_line
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_SFI = {"sinks": 4, "selected_tokens": 64, "recent_window": 64, "reuse_budget": 16, "min_gap": 4}
+
+
+# --------------------------------------------------------------------------- no engine
+
+def test_parse_native_and_openai_batch_lines():
+    rid, req = parse_line('{"id": "a", "prompt": "hi", "sampling": {"max_tokens": 3}, "sfi": {"policy": "dense"}}', 1)
+    assert rid == "a" and req.prompt == "hi" and req.sampling == {"max_tokens": 3} and req.sfi == {"policy": "dense"}
+    rid, req = parse_line('{"messages": [{"role": "user", "content": "x"}]}', 7)
+    assert rid == "line-7" and req.messages[0]["content"] == "x"
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 5,
+                     "temperature": 0, "vllm_xargs": {"sfi": {"selected_tokens": 32}}}}
+    rid, req = parse_line(json.dumps(line), 2)
+    assert rid == "c1" and req.sampling == {"max_tokens": 5, "temperature": 0} and req.sfi == {"selected_tokens": 32}
+
+
+@pytest.mark.parametrize("text, rid, msg", [
+    ("{not json", "line-3", "not valid JSON"),
+    ('["a"]', "line-3", "JSON object"),
+    ('{"id": "x", "prompt": "a", "messages": []}', "x", "exactly one of prompt and messages"),
+    ('{"id": "x"}', "x", "exactly one of prompt and messages"),
+    ('{"id": "x", "prompt": "a", "temperature": 0}', "x", "temperature: Extra inputs are not permitted"),
+    ('{"custom_id": "y", "body": {"prompt": "a", "stream": true}}', "y", "streaming"),
+])
+def test_parse_errors_name_the_line(text, rid, msg):
+    with pytest.raises(LineError) as e:
+        parse_line(text, 3)
+    assert e.value.args[0] == rid and msg in e.value.args[1]
+
+
+def test_done_ids_drops_a_cut_off_last_line_and_optionally_errors(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "text": "x"}\n{"id": "b", "error": "bad"}\n{"id": "c", "te')
+    assert done_ids(out) == {"a", "b"}
+    assert out.read_text() == '{"id": "a", "text": "x"}\n{"id": "b", "error": "bad"}\n'
+    assert done_ids(out, retry_errors=True) == {"a"}
+    assert out.read_text() == '{"id": "a", "text": "x"}\n'
+    assert done_ids(tmp_path / "none.jsonl") == set()
+
+
+# --------------------------------------------------------------------------- engines
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from sfi_vllm.model_prep import prepare_model
+
+    return str(prepare_model(progress=False))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **extra)
+    return env
+
+
+@pytest.mark.engine
+def test_batch_command(model_dir, tmp_path):
+    """A handful of lines, some bad: every line gets one output line, the bad ones an error, the
+    run goes on; an id already in the output is not run again."""
+    greedy = {"temperature": 0, "max_tokens": 6}
+    lines = [
+        {"id": "prompt", "prompt": "One, two, three, four,", "sampling": greedy},
+        {"id": "chat-dense", "messages": [{"role": "user", "content": "Say hello."}], "sampling": greedy,
+         "sfi": {"policy": "dense"}},
+        "{this line is not JSON",
+        {"id": "bad-sfi", "prompt": "x", "sfi": {"recent_window": 0}},
+        {"id": "bad-sampling", "prompt": "x", "sampling": {"temperature": -1}},
+        {"id": "too-long", "prompt": "word " * 1500, "sampling": greedy},
+        {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "smollm2", "messages": [{"role": "user", "content": "Name a colour."}],
+                  "max_tokens": 6, "temperature": 0}},
+        {"id": "done-before", "prompt": "never run again"},
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    out.write_text('{"id": "done-before", "text": "from an earlier run"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "sfi_vllm.cli", "batch", str(src), str(out), "--model", model_dir,
+         "--max-model-len", "1024", "--max-num-seqs", "4", "--sfi", json.dumps(SMALL_SFI),
+         "--engine-kwargs", '{"enforce_eager": true}'],  # no torch.compile: about 90 s less on 2 cores
+        capture_output=True, text=True, timeout=400, env=_env())
+    assert proc.returncode == 1, proc.stderr[-4000:]  # some lines failed
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(recs) == sorted(["prompt", "chat-dense", "line-3", "bad-sfi", "bad-sampling", "too-long",
+                                   "openai", "done-before"]), recs
+    assert recs["done-before"] == {"id": "done-before", "text": "from an earlier run"}
+    for rid in ("prompt", "chat-dense", "openai"):
+        r = recs[rid]
+        assert r.get("error") is None and r["completion_tokens"] == 6 and r["text"], r
+    assert recs["prompt"]["sfi_stats"]["policy"] == "sfi" and recs["prompt"]["sfi_stats"]["decode_steps"] >= 5
+    assert recs["chat-dense"]["sfi_stats"]["policy"] == "dense"
+    assert "not valid JSON" in recs["line-3"]["error"] and recs["line-3"]["line"] == 3
+    assert "sfi.recent_window" in recs["bad-sfi"]["error"]
+    assert "temperature" in recs["bad-sampling"]["error"]
+    assert "too-long" in recs and re.search(r"(?i)longer than|maximum|max_model_len", recs["too-long"]["error"])
+    assert re.search(r"tok/s", proc.stderr) and "7 requests written" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.engine
+def test_engine_job_module_runs_with_vllms_default_multiprocessing(model_dir, tmp_path):
+    job = dict(model=model_dir, prompts=["Say hello."], max_tokens=4, attention_backend="sfi", sfi=SMALL_SFI,
+               engine_kwargs=dict(dtype="float32", max_model_len=1024, max_num_seqs=2))
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.engine_job", str(tmp_path / "job.json"),
+                           str(tmp_path / "res.json")], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    (out,) = res["outputs"]
+    assert len(out["token_ids"]) == 4 and res["sfi_stats"][out["request_id"]]["decode_steps"] == 3
+
+
+def readme_python_snippet() -> str:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "the README has no ```python block"
+    return blocks[0]
+
+
+@pytest.mark.engine
+def test_readme_python_snippet_runs_as_a_script(model_dir, tmp_path):
+    script = tmp_path / "snippet.py"
+    snippet = readme_python_snippet()
+    # as written, but eager: torch.compile on 2 CPU cores adds about 90 s and is not what this checks
+    assert 'attention_backend="sfi"' in snippet
+    script.write_text(snippet.replace('attention_backend="sfi"', 'attention_backend="sfi", enforce_eager=True'))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip(), "the snippet printed no generated text"
+
+
+@pytest.mark.engine
+def test_demo_ends_with_a_verdict(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "demo", "--prompts", "1", "--prompt-tokens", "400",
+                           "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"agreement with dense: \d+\.\d% teacher-forced top-1 \(\d+ of 11 decode steps\)", out), out
+    assert re.search(r"a fast step read \d+ of \d+ context tokens", out) or "0 fast" in out, out
+    assert re.search(r"slow steps: \d+ of 11 decode steps", out), out
+    assert "Verdict: SFI chose dense's next token" in out and "e2e-h200.md" in out and "GPU matter" in out
+    assert re.search(r"dense: .*tok/s", proc.stderr), "no progress bar"
+    assert "leaked" not in proc.stderr
