@@ -10,7 +10,7 @@ import sys
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from sfi_vllm.model_prep import prepare_model
 
-    prepare_model(args.cache_dir, force=args.force, progress=True)  # prints the directory (once)
+    print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
     return 0
 
 
