@@ -57,7 +57,7 @@ def _window_tiles(q, m_i, l_i, acc, w_lo, hi, nc, ws, b, h, BT, KC, VC, stride_b
         if WRITE:  # a scored dense row (window position == key position): its logits and key norms
             tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
             # the norms from a second load of the tile (an L1/L2 hit): reducing the tile loaded for
-            # tl.dot made the kernel 2.5x slower on the H200 (fused_scores_bench.py, 2026-11-30)
+            # tl.dot made the kernel 2.5x slower on the H200 (benchmarks/fused_scores_bench.py)
             k2 = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
                          + offs_d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
             tl.store(nm_row + pos, tl.sqrt(tl.sum(k2 * k2, 1)), mask=nmask)

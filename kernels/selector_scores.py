@@ -52,10 +52,9 @@ def _log_prior(KN, j, valid, n, lo, w_norm, w_pos, gamma, beta, eta, pos_power):
     u_pow = tl.where(u > 0, tl.exp(pos_power * tl.log(tl.maximum(u, 1e-30))), 0.0)
     # 1 - u from the exact integer numerator, never as 1 - j / (n - 1): the GPU's division is
     # approximate, and as a reciprocal-multiply (n - 1) / (n - 1) is 1 - 2**-24 for n = 32508 and
-    # 130812, which turns the last candidate's log(1 - u) from log(1e-30) = -69 into -16.6. Those
-    # are the two frames (32K, 128K) at which the H200 run of 53a24c5 found the fused scores up to
-    # 4.1 away from the torch Selector (prior on only). With this fix, `check_selector_scores` at
-    # the 128K frame passes on the H200 (kernel_checks cuda, 2026-11-30).
+    # 130812, which turns the last candidate's log(1 - u) from log(1e-30) = -69 into -16.6 (the
+    # fused scores were then up to 4.1 away from the torch Selector at 32K and 128K frames);
+    # `check_selector_scores` covers a 128K frame.
     rest = tl.where(n > 1.0, (n - 1.0 - jf) / tl.maximum(n - 1.0, 1.0), 1.0)
     pos = -beta * u_pow + eta * tl.log(tl.maximum(rest, 1e-30))
     kn = tl.load(KN + lo + j, mask=valid, other=1.0)

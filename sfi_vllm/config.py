@@ -5,7 +5,7 @@ Sources, later ones overriding earlier ones field by field:
   2. a YAML file named by the environment variable ``SFI_CONFIG``;
   3. the ``sfi`` key of vLLM's ``--additional-config`` (or ``LLM(additional_config=...)``).
 
-Defaults and their meaning are in ../shared/docs/sfi-method.md; the README lists every field.
+docs/selection.md says how the default selection works; the README lists every field.
 A bad value raises :class:`SFIConfigError` naming the field and the allowed range.
 """
 
@@ -25,9 +25,8 @@ ENV_CONFIG_FILE = "SFI_CONFIG"
 ADDITIONAL_CONFIG_KEY = "sfi"
 # fused_scores_tokens "auto": the most the fused score buffers may take, in bytes and as a share of
 # the GPU's memory (so that a small GPU does not give a twelfth of itself to them; 2 GiB is 1.4% of
-# an H200). Measured on the H200 (e2e-h200.md, 2026-12-01): at 327,680 tokens (1.76 GiB for
-# Qwen3-4B) the fused scores raised decode throughput by 3.7% at 16 x 16K and 3.5% at 8 x 32K
-# over the second pass.
+# an H200). At 327,680 tokens (1.76 GiB for Qwen3-4B) the fused scores raised decode throughput
+# by 3.7% at 16 x 16K and 3.5% at 8 x 32K over the second pass (benchmarks/results/e2e-h200.md).
 FUSED_AUTO_BYTES = 2 << 30
 FUSED_AUTO_FRACTION = 0.02
 

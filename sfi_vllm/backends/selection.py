@@ -18,8 +18,8 @@ The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted). A shape
 from its ``CAPTURE_AFTER``-th use on; before that its work runs eagerly. Capturing is expensive
 (``torch.cuda.graph`` synchronises the device and empties the caching allocator), and a mixed
 workload (many requests with different policies and budgets, slow rows joining and leaving) sees
-a new shape at nearly every slow step: the H200 quality and fidelity runs of 2026-11-30 stepped
-at about 0.3 s per engine step, which this is meant to remove (not yet measured on a GPU). A
+a new shape at nearly every slow step (capturing each one made engine steps of about 0.3 s in
+the H200 quality runs). A
 benchmark with one stable shape captures it at its third slow step. Without CUDA (tests on the
 CPU, Triton's interpreter) the same body always runs eagerly.
 """
@@ -54,13 +54,10 @@ MAX_GRAPHS = 4
 CAPTURE_AFTER = 3
 MAX_COUNTED_SHAPES = 256
 # The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
-# Measured on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py as run
-# by e2e_bench.py), fused vs torch: at commit 26dc4db, with one statistics program per (row, KV
-# head), 1,987 vs 733 us at 1 x 128K, so the bound was 32K; with the split statistics passes
-# (53a24c5) and the exact 1 - u of the prior (4272536; before it, 32K and 128K frames disagreed
-# with the reference), on 2026-11-30: 1,168 vs 2,069 us at 6 x 128K, 563 vs 681 at 1 x 128K, 637
-# vs 953 at 8 x 32K, 596 vs 682 at 1 x 32K, with tests/kernel_checks.py passing at a 128K frame.
-# The bound now only guards frames beyond the measured range.
+# Fused against torch on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py):
+# 1,168 vs 2,069 us at 6 x 128K, 563 vs 681 at 1 x 128K, 637 vs 953 at 8 x 32K, 596 vs 682 at
+# 1 x 32K, with tests/kernel_checks.py passing at a 128K frame. The bound only guards frames beyond
+# the measured range.
 FUSED_MAX_FRAME = 262144
 
 
