@@ -209,6 +209,7 @@ def per_request(samples, keys, res) -> tuple[list[dict], int]:
                         attended_fraction=st.get("attended_fraction"),
                         decode_attended_fraction=st.get("decode_attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
+                        slow_reasons=st.get("slow_reasons", {}), dense_steps=st.get("dense_steps", 0),
                         decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
     return per, len(missing)
 
