@@ -74,8 +74,20 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("streaming requests are not supported in a batch")
     if body.get("n", 1) != 1:
         raise ValueError("n > 1 is not supported in a batch (one completion per line)")
-    xargs = body.pop("vllm_xargs", None) or {}
-    sfi = body.pop("sfi", None) or xargs.get("sfi")
+    xargs = dict(body.pop("vllm_xargs", None) or {})
+    sfi = body.pop("sfi", None)
+    # SFI settings in vllm_xargs as the OpenAI API carries them: flat sfi_* keys or one JSON string
+    # "sfi" (sfi_vllm.request_config); the other vllm_xargs entries go to SamplingParams.extra_args
+    ours = {k: v for k, v in xargs.items() if isinstance(k, str) and (k == "sfi" or k.startswith("sfi_"))}
+    if ours:
+        from sfi_vllm.request_config import request_overrides
+
+        parsed = request_overrides(ours, where="body.vllm_xargs")
+        if parsed is not None:
+            sfi = {**(sfi or {}), **parsed[0]}
+    rest = {k: v for k, v in xargs.items() if k not in ours}
+    if rest:
+        body["extra_args"] = {**(body.get("extra_args") or {}), **rest}
     line = {k: body.pop(k) for k in list(body) if k in _OPENAI_BODY_INPUTS}
     for k in _OPENAI_BODY_IGNORED:
         body.pop(k, None)
@@ -281,11 +293,19 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
         yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages)
 
 
+def _runs_sfi(llm: Any) -> bool:
+    """Whether ``llm``'s engine runs the SFI backend (registered as vLLM's CUSTOM backend)."""
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    backend = getattr(getattr(cfg, "attention_config", None), "backend", None)
+    return getattr(backend, "name", None) == "CUSTOM"
+
+
 def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: int = 256,
               max_open: int = 16, retry_errors: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run every request of ``in_path`` not yet in ``out_path`` through ``llm`` (module doc)."""
     from vllm import SamplingParams
 
+    from sfi_vllm.config import SFIConfigError
     from sfi_vllm.controller import current_controller
 
     in_path, out_path = Path(in_path), Path(out_path)
@@ -302,12 +322,17 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
             extra["sfi"] = req.sfi
         return SamplingParams(**kw, extra_args=extra or None)
 
+    sfi_engine = _runs_sfi(llm)
+
     def check_sfi(sfi: dict[str, Any]) -> None:
-        # Where the controller is in this process, a bad request setting is this line's error. Else
-        # (dense engine, several workers) the worker checks it: a bad one runs densely and its
-        # statistics say why.
+        # Where the controller is in this process, a bad request setting is this line's error. With
+        # the controller in other processes (several workers), vLLM's front end checks the request
+        # when it is submitted (sfi_vllm.patches.request_check) and the line records that error.
+        if not sfi_engine:
+            raise SFIConfigError("sfi: this engine runs dense attention; SFI settings need "
+                                 "--attention-backend sfi")
         if ctl is not None:
-            ctl.request_config(sfi)
+            ctl.request_config({"sfi": sfi})
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     todo = sum(1 for _ in lines) - len(skip & {_peek_id(t, i) for i, t in lines})

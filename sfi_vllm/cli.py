@@ -363,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             import logging
             import os
 
+            from sfi_vllm.controller import current_controller
+
+            ctl = current_controller()
+            if ctl is not None:  # what atexit would write: the statistics of requests not yet retired
+                ctl.stats.write_open_requests()
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

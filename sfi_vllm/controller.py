@@ -105,6 +105,7 @@ class SFIController:
         self.compact_slots = self.pool.slots
         self.free_compact = list(range(self.compact_slots - 1, -1, -1))
         self.free_plain = list(range(self.num_slots - 1, self.compact_slots - 1, -1))
+        self.pool_full_requests = 0  # requests that found every compact set taken
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
@@ -283,8 +284,8 @@ class SFIController:
             from vllm.platforms import current_platform
 
             packed = current_platform.is_cuda_alike() and cfg.kernels != "torch"
-        except Exception:  # noqa: BLE001 - no vLLM platform: the reference path
-            pass
+        except Exception as e:  # noqa: BLE001 - no vLLM platform (unit tests): the reference path
+            logger.debug("sfi-vllm: no vLLM platform (%s); compact sets for every sequence", e)
         if cfg.compact_memory_gib is None and not packed:
             return CompactPool(self.num_slots, self.num_slots, 0, None, "every sequence")
         mc, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -319,8 +320,12 @@ class SFIController:
             elif self.free_compact:
                 slot = self.free_compact.pop()
             else:
-                logger.warning("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); "
-                               "it runs with dense attention", req_id, self.compact_slots)
+                self.pool_full_requests += 1
+                n = self.pool_full_requests
+                log = logger.warning if n == 1 or n % 1000 == 0 else logger.debug  # not one line per request
+                log("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); it runs "
+                    "with dense attention (%d requests so far; sfi_request_fallbacks_total counts them)",
+                    req_id, self.compact_slots, n)
                 self.stats.note_fallback(req_id, "compact_pool_full")
                 cfg = self.cfg.model_copy(update={"policy": "dense"})
                 slot = self.free_plain.pop()

@@ -43,8 +43,9 @@ class SFIMetrics:
         self.fallbacks = Counter("sfi_request_fallbacks", "Requests that ran with dense attention "
                                  "instead of the SFI settings they asked for, by reason", ["reason"])
         self.prefill_steps = Counter("sfi_prefill_steps", "Request-steps that prefilled (a prompt chunk)")
-        self.dense_steps = Counter("sfi_dense_steps", "Decode request-steps run densely (policy dense, "
-                                   "a context below dense_below_context, or a fallback)")
+        self.dense_steps = Counter("sfi_dense_steps", "Decode request-steps run densely (the bridge of "
+                                   "the first decode steps, policy dense, a context below "
+                                   "dense_below_context, or a fallback)")
         self.fast_steps = Counter("sfi_fast_steps", "Decode request-steps that attended to the "
                                   "working set only (sinks, selected tokens, recent window)")
         self.slow_steps = Counter("sfi_slow_steps", "Decode request-steps that attended densely and "
@@ -52,7 +53,8 @@ class SFIMetrics:
         self.preemptions = Counter("sfi_preemptions", "Preemptions of SFI requests (their state is "
                                    "reset and rebuilt from the prefill)")
         self.attended = Counter("sfi_fast_attended_tokens", "Tokens attended by fast steps, summed over "
-                                "fast request-steps and layers (GPU kernel path: over fast request-steps)")
+                                "fast request-steps and layers (GPU kernel path: over fast request-steps, except Quest-style "
+                                "rows, counted per layer; attended / context is the attended fraction either way)")
         self.context = Counter("sfi_fast_context_tokens", "The contexts those fast steps stood for, "
                                "summed the same way as sfi_fast_attended_tokens_total")
         self.fast_evals = Counter("sfi_fast_layer_evaluations", "Fast (request-step, layer) evaluations "

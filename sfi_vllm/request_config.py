@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import SFIConfig, SFIConfigError, build_config
+from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, preset_values
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -168,15 +168,34 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
 def merge_request_config(base: SFIConfig, overrides: Mapping[str, Any],
                          names: Mapping[tuple, str] | None = None) -> SFIConfig:
     """``base`` (the engine's config) with a request's ``overrides`` (nested SFIConfig fields)
-    applied field by field, validated by SFIConfig. A fraction the request gives replaces the
-    engine's fixed K. Errors name the request's own keys when ``names`` maps them."""
-    engine = base.model_dump(exclude_defaults=True)
-    merged = {**engine, **overrides}
+    applied field by field, validated by SFIConfig. The engine's values are taken as resolved (its
+    preset is not applied again); a preset the request names applies over the engine's values and
+    under the request's own fields. A fraction the request gives replaces the engine's fixed K, and
+    a fixed K replaces the engine's fraction. Errors name the request's own keys when ``names``
+    maps them."""
+    merged = base.model_dump()
+    merged.pop("preset", None)
+    request: dict[str, Any] = {}
+    if isinstance(overrides.get("preset"), str) and overrides["preset"] in PRESETS:
+        request = preset_values(overrides["preset"])
     for key, value in overrides.items():
-        if key in engine and isinstance(engine[key], dict) and isinstance(value, Mapping):
-            merged[key] = {**engine[key], **value}
-    if overrides.get("selected_fraction") is not None and "selected_tokens" not in overrides:
-        merged.pop("selected_tokens", None)
+        if key == "preset":
+            continue
+        if key in request and isinstance(request[key], dict) and isinstance(value, Mapping):
+            request[key] = {**request[key], **value}
+        else:
+            request[key] = value
+    for key, value in request.items():
+        if isinstance(merged.get(key), dict) and isinstance(value, Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    if request.get("selected_fraction") is not None and "selected_tokens" not in request:
+        merged["selected_tokens"] = None
+    if request.get("selected_tokens") is not None and "selected_fraction" not in request:
+        merged["selected_fraction"] = None
+    if "preset" in overrides and overrides["preset"] not in PRESETS:
+        merged["preset"] = overrides["preset"]  # validated (and refused, naming the field) below
     return build_config(merged, use_env=False, field_names=names)
 
 

@@ -156,6 +156,8 @@ class StatsRegistry:
     def note_fallback(self, req_id: str, reason: str, detail: str | None = None) -> None:
         """The request runs with dense attention instead of its SFI settings, for ``reason``."""
         st = self.get(req_id)
+        if st.fallback == reason:  # the same request again (after a preemption): counted once
+            return
         st.fallback = reason
         if reason == "config_error":
             st.config_error = detail

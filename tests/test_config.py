@@ -119,4 +119,11 @@ def test_speed_preset_is_the_measured_benchmark_setting():
     measured = build_config({"preset": "paper", "boundary_trigger": False, "reuse_budget": 20}, use_env=False)
     cfg = build_config({"preset": "speed"}, use_env=False)
     assert cfg.model_dump(exclude={"preset"}) == measured.model_dump(exclude={"preset"})
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import e2e_bench
+
+    assert e2e_bench.SFI == {"preset": "speed"}  # what the benchmark times
     assert cfg.graph_slow_enabled and not cfg.layer_interleaved_refresh and cfg.fused_scores_tokens == "auto"

@@ -30,6 +30,16 @@ def test_parse_native_and_openai_batch_lines():
                      "temperature": 0, "vllm_xargs": {"sfi": {"selected_tokens": 32}}}}
     rid, req = parse_line(json.dumps(line), 2)
     assert rid == "c1" and req.sampling == {"max_tokens": 5, "temperature": 0} and req.sfi == {"selected_tokens": 32}
+    # the forms the OpenAI API carries: flat sfi_* keys and one JSON string; other xargs pass through
+    for xargs in ({"sfi_selected_tokens": 32, "sfi_selector_alpha": 1.0, "other": "v"},
+                  {"sfi": '{"selected_tokens": 32, "selector": {"alpha": 1.0}}', "other": "v"}):
+        body = {"messages": [{"role": "user", "content": "q"}], "vllm_xargs": xargs}
+        _, req = parse_line(json.dumps({"custom_id": "c2", "body": body}), 3)
+        assert req.sfi == {"selected_tokens": 32, "selector": {"alpha": 1.0}}
+        assert req.sampling == {"extra_args": {"other": "v"}}
+    with pytest.raises(LineError) as e:
+        parse_line(json.dumps({"custom_id": "c3", "body": {"prompt": "a", "vllm_xargs": {"sfi_polcy": 1}}}), 4)
+    assert e.value.args[0] == "c3" and "sfi_polcy" in e.value.args[1]
 
 
 @pytest.mark.parametrize("text, rid, msg", [

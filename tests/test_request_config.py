@@ -152,3 +152,23 @@ def test_step_metrics_follow_the_statistics():
 
     ctl.on_scheduler_output(Out())
     assert m.requests.labels(policy="sfi")._value.get() - served == 1
+
+
+def test_a_request_merges_over_the_engine_as_resolved_not_over_its_preset_again():
+    """The engine's preset is applied once, at start-up: a request's settings merge over the
+    resolved values (fields the engine set back to their defaults stay set); a preset the request
+    names applies under its own fields; a fixed K and a fraction replace each other."""
+    from sfi_vllm.config import build_config
+    from sfi_vllm.request_config import merge_request_config
+
+    engine = build_config({"preset": "speed", "boundary_trigger": True, "reuse_budget": 64,
+                           "selector": {"page_size": 16}}, use_env=False)
+    got = merge_request_config(engine, {"selected_tokens": 1024})
+    assert (got.boundary_trigger, got.reuse_budget, got.selector.page_size, got.selected_tokens) == (True, 64, 16, 1024)
+    paper = merge_request_config(build_config({}, use_env=False), {"preset": "paper", "reuse_budget": 40})
+    assert (paper.selector.page_size, paper.bridge_steps, paper.reuse_budget) == (0, 0, 40)
+    frac = build_config({"selected_fraction": 0.2}, use_env=False)
+    k = merge_request_config(frac, {"selected_tokens": 512})
+    assert (k.selected_tokens, k.selected_fraction) == (512, None)
+    back = merge_request_config(build_config({}, use_env=False), {"selected_fraction": 0.1})
+    assert (back.selected_tokens, back.selected_fraction) == (None, 0.1)

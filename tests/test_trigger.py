@@ -126,9 +126,9 @@ def test_boundary_set_from_a_real_tokenizer():
 # per-slot trigger settings of the randomised stream tests: boundary modes, gaps, budgets, trigger
 # off, a dense range, Quest
 MIXED_SLOT_CONFIGS = (
-    {"reuse_budget": 12, "min_gap": 4},
+    {"reuse_budget": 12, "min_gap": 4, "bridge_steps": 3},
     {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
-    {"reuse_budget": 9, "min_gap": 0},
+    {"reuse_budget": 9, "min_gap": 0, "bridge_steps": 6},
     {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
     {"reuse_budget": 20, "min_gap": 5, "dense_below_context": 1010},
     {"policy": "quest"},

@@ -10,7 +10,7 @@ Two kinds of step:
 * **Eager steps** (prefill rows, slow rows, Quest rows): the runner hook steers them to vLLM's
   piecewise graphs (attention eager). FlashAttention runs the kernel rows (prefill, dense, slow);
   slow rows are then scored by the Triton score kernel, re-selected by the Selector (fused Triton
-  kernels up to 32K-token frames, torch ops beyond; top-K in torch; replayed from a CUDA graph per
+  kernels up to ``FUSED_MAX_FRAME`` tokens, torch ops beyond; top-K in torch; replayed from a CUDA graph per
   shape, :mod:`sfi_vllm.backends.selection`) and
   repacked in one launch; fast rows run the fast-step kernel; Quest-style rows get their pages
   from the page-bound kernel (``sfi_vllm_kernels.quest_pages``), repacked, then the fast-step kernel.
@@ -43,8 +43,9 @@ copies them to the host asynchronously and uses them one step later, so no step 
 (:class:`sfi_vllm.trigger.LaggedTokens`).
 
 Compact-buffer memory, allocated per layer when the model is built (so vLLM's profiling counts it
-before sizing the KV cache): ``2 (K, V) x sets x max_num_seqs x kv_heads x (sinks + K_max) x
-head_size x dtype bytes`` with ``sets`` 2 under the side stream (double buffering), else 1; logged
+before sizing the KV cache): ``2 (K, V) x sets x pool slots x kv_heads x (sinks + K_max) x
+head_size x dtype bytes`` with ``sets`` 2 under the side stream (double buffering), else 1, and
+the pool slots what ``compact_memory_gib`` holds (:mod:`sfi_vllm.compact_pool`); logged
 at start-up, as is the uniform path's fp32 scratch (shared by the layers). Not
 counted by the profiling: a slow step's selection buffers (fp32 logits of the slow rows over the
 frame, and the selection graph's pool), allocated at the first slow step of each shape from the

@@ -26,6 +26,7 @@ CPU, Triton's interpreter) the same body always runs eagerly.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ import torch
 
 from sfi_vllm.host_copy import copy_to_device
 from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
+
+logger = logging.getLogger("sfi_vllm")
 
 def top_k_function(kind: str, page_size: int = 0):
     """``sfi.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
@@ -46,7 +49,14 @@ def top_k_function(kind: str, page_size: int = 0):
         from sfi_vllm_kernels.top_k import top_k_positions as kernel
 
         return kernel
+    if kind == "triton" and not _TOP_K_NOTED:
+        _TOP_K_NOTED.append(True)
+        logger.info("sfi-vllm: selector_top_k triton applies to token-level selection; page selection "
+                    "(selector.page_size %d) takes torch's top-K", page_size)
     return top_k_positions
+
+
+_TOP_K_NOTED: list[bool] = []
 
 
 WIDTH_BUCKET = 2048
