@@ -11,7 +11,7 @@
 # sfi-vllm suite --contexts C --samples 120 --out .gpu-data/suite/suite-C.jsonl.xz):
 #   OUT=$OUT bash benchmarks/results/quality-h200-sweep.sh [TIME_LIMIT_S [ABLATION_SAMPLES [FIRST_SAMPLE]]]
 # POLICIES (default: dense, the default sfi, the paper's Selector and the three baselines; dense
-# always runs, it is the prefix every sample's other requests reuse), RETENTIONS (default 0,0.1,0.2;
+# always runs, it is the prefix every sample's other requests reuse), RETENTIONS (default 0,0.2,
 # 0 is the engine's own working set: sinks 4 + K 2048 + window 256), ABLATIONS (default the default
 # sfi's ablations), TAG (output name, default quality-h200).
 # SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}'.
@@ -33,7 +33,7 @@ t_start=$(date +%s)
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__, '| gpu', torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 git log -1 --format='sfi-vllm commit %h %s' 2>/dev/null
-if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (../shared/gpu/README.md)
+if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (a conversion and an engine in one process can stall)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('$M'))" \
     > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -30 "$OUT/convert.log"; exit 1; }
   echo "converted in $(( $(date +%s) - t_start )) s"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # `vllm serve` on the H200 with vLLM's defaults (max_num_seqs 1024, torch.compile and CUDA graphs,
-# gpu_memory_utilization 0.9), with SFI and then without it, on SmolLM2-135M-Instruct: the start-up
+# gpu_memory_utilization as vLLM resolves it), with SFI and then without it, on SmolLM2-135M-Instruct: the start-up
 # memory lines (compact pool, KV cache), a few requests over HTTP (the default, per-request settings
 # as flat vllm_xargs keys and as one JSON string, malformed settings that must get a 400 while the
 # server keeps serving) and the sfi_ metrics on /metrics.
