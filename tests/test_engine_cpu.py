@@ -15,7 +15,10 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 48
 ENGINE = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, dtype="float32")
 FULL_BUDGET = {"sinks": 4, "recent_window": 64, "selected_tokens": 4096, "reuse_budget": 16, "min_gap": 4}
-SMALL_BUDGET = {"sinks": 4, "recent_window": 32, "selected_tokens": 32, "reuse_budget": 12, "min_gap": 3}
+# bridge_steps 0: these tests follow the trigger from the first decode step (the bridge is tested
+# in tests/test_trigger.py and tests/test_needle_default.py)
+SMALL_BUDGET = {"sinks": 4, "recent_window": 32, "selected_tokens": 32, "reuse_budget": 12, "min_gap": 3,
+                "bridge_steps": 0}
 # tensor parallelism: SmolLM2 has 9 query / 3 KV heads, so 3 workers hold one KV head each.
 # Cross-head exclusivity runs among a worker's own heads (skipped at <= 2), so the comparison with
 # one worker turns it off on both sides.

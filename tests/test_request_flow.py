@@ -97,7 +97,7 @@ def test_engine_flow_reuses_the_roots_prompt_and_matches_it(tmp_path):
 
     text = " ".join(f"Item {i} is a {c} box." for i, c in enumerate(["red", "blue", "green", "gold"] * 12))
     prompts = [text + " Which item is gold first?", text + " Name one blue item."]
-    small = {"policy": "sfi", "sinks": 4, "recent_window": 32, "selected_tokens": 32}
+    small = {"policy": "sfi", "sinks": 4, "recent_window": 32, "selected_tokens": 32, "bridge_steps": 0}
     reqs = []
     for p in prompts:
         root = len(reqs)
