@@ -50,7 +50,10 @@ def validate_request_params(params: Any) -> None:
     extra_args = getattr(params, "extra_args", None)
     if limits is None or not extra_args:
         return
+    # A mapping under "sfi" cannot come over HTTP (vllm_xargs refuses nested objects): name the
+    # fields as the offline caller wrote them
+    where = "extra_args" if isinstance(extra_args, dict) and isinstance(extra_args.get("sfi"), dict) else "vllm_xargs"
     try:
-        resolve_request_config(limits, extra_args)
+        resolve_request_config(limits, extra_args, where=where)
     except SFIRequestError as e:
         raise _validation_error(e) from None

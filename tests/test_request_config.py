@@ -109,6 +109,9 @@ def test_the_front_end_raises_vllms_validation_error():
         with pytest.raises(VLLMValidationError) as info:
             request_validation.validate_request_params(SamplingParams(extra_args={"sfi_sinks": "x"}))
         assert info.value.parameter == "vllm_xargs.sfi_sinks"
+        with pytest.raises(VLLMValidationError) as info:  # the offline mapping: named as written there
+            request_validation.validate_request_params(SamplingParams(extra_args={"sfi": {"sinks": "x"}}))
+        assert info.value.parameter == "extra_args.sfi.sinks"
         request_validation.validate_request_params(SamplingParams(extra_args={"sfi_sinks": 2}))
         request_validation.validate_request_params(SamplingParams())
     finally:
