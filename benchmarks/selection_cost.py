@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from attn_timing import graph_time_us  # noqa: E402
-from selector_bench import HKV, G, K, POINTS, SINKS  # noqa: E402
+from selector_bench import K, POINTS, SINKS, random_frame  # noqa: E402
 
 
 def main() -> int:
@@ -42,12 +42,7 @@ def main() -> int:
     for label, slow_rows, layers, context in POINTS:
         if label not in wanted:
             continue
-        width = -(-context // 2048) * 2048
-        rows = slow_rows * layers
-        logits = torch.randn(rows, HKV, G, width, device="cuda", generator=gen) * 3
-        logits[..., context:] = float("-inf")
-        norms = torch.rand(rows, HKV, width, device="cuda", generator=gen) + 0.5
-        norms[..., context:] = 0
+        rows, width, logits, norms = random_frame(slow_rows, layers, context, gen)
         n = torch.full((rows,), float(context - SINKS - 256), device="cuda")
         k = torch.full((rows,), K, dtype=torch.long, device="cuda")
         for name, cfg in configs.items():

@@ -45,6 +45,19 @@ CONFIGS = [
 KEYS = ("block", "target_programs", "num_warps", "tile", "nms_tile", "nms_elems")
 
 
+def random_frame(slow_rows: int, layers: int, context: int, gen: torch.Generator, device: str = "cuda"):
+    """A point's Selector inputs: ``(rows, width, logits, norms)`` for ``slow_rows x layers`` rows,
+    random logits (x 3) and key norms over a frame of the context rounded up to 2048, ``-inf`` / 0
+    past the context. The Selector's work does not depend on the values."""
+    width = -(-context // 2048) * 2048
+    rows = slow_rows * layers
+    logits = torch.randn(rows, HKV, G, width, device=device, generator=gen) * 3
+    logits[..., context:] = float("-inf")
+    norms = torch.rand(rows, HKV, width, device=device, generator=gen) + 0.5
+    norms[..., context:] = 0
+    return rows, width, logits, norms
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -60,12 +73,7 @@ def main() -> int:
     for label, slow_rows, layers, context in POINTS:
         if label not in wanted:
             continue
-        width = -(-context // 2048) * 2048
-        rows = slow_rows * layers
-        logits = torch.randn(rows, HKV, G, width, device="cuda", generator=gen) * 3
-        logits[..., context:] = float("-inf")
-        norms = torch.rand(rows, HKV, width, device="cuda", generator=gen) + 0.5
-        norms[..., context:] = 0
+        rows, width, logits, norms = random_frame(slow_rows, layers, context, gen)
         n = torch.full((rows,), float(context - SINKS), device="cuda")
         ref = None
         for conf in CONFIGS:
