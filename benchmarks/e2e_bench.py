@@ -67,7 +67,33 @@ def make_model(path: Path) -> None:
     save_file(t, str(path / "model.safetensors"))
 
 
-SFI = {"preset": "speed"}  # the settings e2e-h200.md measured; --variant NAME='{...}' times others
+def make_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the model's whole vocabulary, for serving the checkpoint over
+    HTTP (``serve_bench.sh``: ``vllm bench serve``'s random prompts and the server's detokenizer
+    need one): token i is the word ``w<i>``, except a few punctuation tokens (so the boundary
+    trigger has sentence enders) and the special tokens of CONFIG."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if (path / "tokenizer.json").exists():
+        return
+    vocab = {f"w{i}": i for i in range(CONFIG["vocab_size"])}
+    for i, text in {13: ".", 0: "!", 30: "?", 11: ","}.items():
+        del vocab[f"w{i}"]
+        vocab[text] = i
+    specials = {CONFIG["bos_token_id"]: "<|endoftext|>", CONFIG["eos_token_id"]: "<|im_end|>",
+                CONFIG["bos_token_id"] + 1: "<unk>"}
+    for i, text in specials.items():
+        del vocab[f"w{i}"]
+        vocab[text] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|endoftext|>",
+                                 eos_token="<|im_end|>")
+    hf.save_pretrained(str(path))
+
+
+SFI = {"preset": "speed"}  # the default selection, slow step every 21 steps; --variant NAME='{...}' times others
 # --slow-probe: the SFI engine also times each point with a slow step every other step (a
 # per-request override, so the probe shares the engine and its prefix cache); with the two runs'
 # step times and slow-step rates, the time of a slow and of a fast step follow (two equations).
@@ -75,7 +101,10 @@ PROBE = {"reuse_budget": 1, "min_gap": 0}
 MODES = {"dense": None, "sfi": SFI}
 # Random token ids have no sentences; the speed preset has no boundary trigger and a reuse budget
 # of 20 fast steps: one slow step every 21 steps (~4.8%), about the rate the sentence trigger gave
-# on real generations of the test model (1 per ~18-24 steps).
+# on real generations of the test model (1 per ~18-24 steps). Row j's prompt is j tokens shorter
+# than the point's context, so that requests of one batch, which start together, take different
+# reuse phases (sfi.reuse_stagger derives the phase from the context length), as requests of
+# different lengths do in serving.
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
@@ -103,8 +132,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     out = []
     for batch, context in points:
         g = torch.Generator().manual_seed(batch * 7 + context)
-        prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()}
-                   for _ in range(batch)]
+        prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context - j,), generator=g).tolist()}
+                   for j in range(batch)]
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
         t_fill = time.perf_counter() - t
@@ -137,6 +166,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                     # slow steps in a graph whose rows did not fit the fused score buffers
                     res["fused_score_misses"] = misses1 - misses0
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
+                           dense_step_rate=round((after[4] - before[4]) / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
             out.append(res)
             print("RESULT " + json.dumps(res), flush=True)
@@ -168,7 +198,7 @@ def _fused_score_misses() -> int | None:
     return ctl.fused_score_misses
 
 
-def _stats_totals(llm) -> tuple[int, int, int, int]:
+def _stats_totals(llm) -> tuple[int, int, int, int, int]:
     from sfi_vllm.controller import current_controller
     from sfi_vllm.engine_job import _worker_sfi_info
 
@@ -179,7 +209,8 @@ def _stats_totals(llm) -> tuple[int, int, int, int]:
         ranks = sorted((r for r in llm.collective_rpc(_worker_sfi_info) if r is not None), key=lambda r: r["rank"])
         st = list(ranks[0]["stats"].values())
     return (sum(s["slow_steps"] for s in st), sum(s["decode_steps"] for s in st),
-            sum(s["fast_attended_tokens"] for s in st), sum(s["fast_context_tokens"] for s in st))
+            sum(s["fast_attended_tokens"] for s in st), sum(s["fast_context_tokens"] for s in st),
+            sum(s["dense_steps"] for s in st))
 
 
 def attention_times(batch: int, context: int) -> dict:
@@ -251,6 +282,8 @@ def main() -> int:
                     help="the SFI engine also runs each point with a slow step every other step; "
                     "from both runs the slow- and fast-step times follow (slow_step_ms, "
                     "slow_vs_dense, fast_speedup)")
+    ap.add_argument("--probe-variants", action="store_true",
+                    help="with --slow-probe, probe the --variant engines too (default: only the sfi engine)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per engine (GPUs)")
     ap.add_argument("--sfi", default=None,
@@ -263,15 +296,22 @@ def main() -> int:
     ap.add_argument("--modes", default=None,
                     help="comma-separated engines to run (default: dense,sfi); the ratios need "
                     "dense and sfi in the same run")
+    ap.add_argument("--make-model", action="store_true",
+                    help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
     model = Path("/tmp/sfi-qwen3-4b-shape")
+    if args.make_model:
+        make_model(model)
+        make_tokenizer(model)
+        return 0
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     if args.sfi:
         extra = json.loads(args.sfi)
         MODES["sfi"] = {**SFI, **extra}
     if args.mode:
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
-            probe=args.slow_probe and MODES[args.mode] is not None, tp=args.tp)
+            probe=args.slow_probe and MODES[args.mode] is not None and (args.name is None or args.probe_variants),
+            tp=args.tp)
         return 0
     variants = {}
     for v in args.variant:
@@ -302,7 +342,8 @@ def main() -> int:
                "--points", args.points, "--new-tokens", str(args.new_tokens)] + (
                    ["--sfi", sfi_json] if sfi_json else []) + (
                    ["--name", mode] if mode in variants else []) + (
-                   ["--slow-probe"] if args.slow_probe else []) + ["--tp", str(args.tp)]
+                   ["--slow-probe"] if args.slow_probe else []) + (
+                   ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         for r in results:

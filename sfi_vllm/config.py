@@ -139,6 +139,13 @@ class SFIConfig(BaseModel):
         "answer, and a set chosen from the first decode query misses what the answer reads; 0: select "
         "at the first decode step (the paper's)",
     )
+    reuse_stagger: bool = Field(
+        True,
+        description="spread the reuse-budget phase over requests: the first reuse interval after a "
+        "request's first selection is shortened by a per-request offset in [0, reuse_budget) derived "
+        "from its context length, so that requests that started together do not all reach their "
+        "budget, and run a slow step, on the same decode step (each later interval is the full budget)",
+    )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"

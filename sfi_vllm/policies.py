@@ -19,8 +19,9 @@ None: only the policy's own settings).
   soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-interval`` (reuse budget only, no
   boundaries), ``sfi-boundary`` (boundaries only).
 * ``sfi-paper``: the paper's Selector as published: token by token, soft-NMS, no bridge, no
-  following pages (the evidence normalised per query row over the candidates, and the lambda clip
-  for several query rows under GQA, as the authors do); ``sfi-paper-no-nms`` without its soft-NMS.
+  following pages, no reuse stagger (the evidence normalised per query row over the candidates, and
+  the lambda clip for several query rows under GQA, as the authors do); ``sfi-paper-no-nms``
+  without its soft-NMS.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-no-prior": {"policy": "sfi", "selector": {"use_prior": False}},
     "sfi-interval": {"policy": "sfi", "boundary_trigger": False},
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
-    "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "selector": dict(_PAPER_SELECTOR)},
-    "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "selector": {**_PAPER_SELECTOR, "use_nms": False}},
+    "sfi-reuse-20": {"policy": "sfi", "boundary_trigger": False, "reuse_budget": 20},
+    "sfi-no-stagger": {"policy": "sfi", "reuse_stagger": False},
+    "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "selector": dict(_PAPER_SELECTOR)},
+    "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False,
+                         "selector": {**_PAPER_SELECTOR, "use_nms": False}},
 }
 _WINDOW_SHARE: dict[str, float] = {}  # of the budget; every selecting policy: 0.25
 POLICIES = tuple(_POLICY)

@@ -5,7 +5,9 @@ A decode step of a sequence is
   ``bridge_steps`` decode steps after a prefill (``sfi`` policy only): no SFI at all;
 * ``SLOW`` when any trigger fires:
   - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range),
-  - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step,
+  - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step (with
+    ``reuse_stagger``, the first interval after a request's first selection is shorter by an offset
+    of its own, :func:`reuse_offset`, so that requests that start together refresh on different steps),
   - ``BOUNDARY``: a sentence just ended, and at least ``min_gap`` fast steps have run since the
     last slow step. With ``boundary_fire="next_token"`` (the authors' choice) it fires on the first
     non-whitespace token after the ender; with ``"at_ender"`` on the step whose input is the ender;
@@ -89,6 +91,18 @@ def boundary_tokens_from_tokenizer(tokenizer, newline_is_boundary: bool = True) 
     return BoundaryTokens(frozenset(enders), frozenset(skips))
 
 
+GOLDEN_FRACTION = 0.6180339887498949
+
+
+def reuse_offset(context_lens: torch.Tensor, reuse_budget: torch.Tensor) -> torch.Tensor:
+    """The per-request phase of the reuse budget: ``floor(frac(context x 0.618...) x budget)``, in
+    ``[0, budget)``. It depends only on the context length at the request's first selection (so a
+    request's steps do not depend on which others share its batch), and consecutive lengths land
+    far apart (the golden-ratio sequence is evenly spread)."""
+    frac = torch.frac(context_lens.to(torch.float64) * GOLDEN_FRACTION)
+    return torch.minimum((frac * reuse_budget.to(torch.float64)).to(torch.int32), reuse_budget - 1).clamp_min(0)
+
+
 class SlowStepTrigger:
     """Per-slot trigger state and per-slot settings (requests may carry their own SFI config)."""
 
@@ -121,6 +135,9 @@ class SlowStepTrigger:
         self.dense_below = torch.zeros(num_slots, dtype=torch.int64, **z)
         self.never_slow = torch.zeros(num_slots, dtype=torch.bool, **z)
         self.bridge = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.stagger = torch.zeros(num_slots, dtype=torch.bool, **z)
+        # reuse-budget offset of the current interval (reuse_stagger: set at a first selection)
+        self.offset = torch.zeros(num_slots, dtype=torch.int32, **z)
         # the bridge: decode steps whose context is below bridge_until[slot] are dense; it is set at
         # the slot's first decode step after a reset (fresh), from that step's context
         self.fresh = torch.ones(num_slots, dtype=torch.bool, **z)
@@ -145,6 +162,7 @@ class SlowStepTrigger:
         self.dense_below[slot] = (1 << 62) if cfg.policy == "dense" else cfg.dense_below_context
         self.never_slow[slot] = cfg.policy == "quest"
         self.bridge[slot] = cfg.bridge_steps if refresh else 0
+        self.stagger[slot] = cfg.reuse_stagger and refresh
 
     def _bridge_until(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """The context length at which each row's bridge ends (set at its first decode step)."""
@@ -155,6 +173,7 @@ class SlowStepTrigger:
         """A request started, was preempted or finished: its next decode step is a first step."""
         slots = slots.to(self.device, torch.long)
         self.fast_since_slow[slots] = 0
+        self.offset[slots] = 0
         self.pending[slots] = False
         self.initialized[slots] = False
         self.fresh[slots] = True
@@ -169,7 +188,8 @@ class SlowStepTrigger:
         context_lens = context_lens.to(self.device)
         dense = (context_lens < self.dense_below[slots]) | (context_lens < self._bridge_until(slots, context_lens))
         return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
-                & (fast_since >= self.min_gap[slots]) & (fast_since < self.reuse_budget[slots]))
+                & (fast_since >= self.min_gap[slots])
+                & (fast_since + self.offset[slots] < self.reuse_budget[slots]))
 
     def step(
         self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor,
@@ -213,7 +233,8 @@ class SlowStepTrigger:
         self.fresh[slots] = False
         dense = (context_lens < self.dense_below[slots]) | (context_lens < until)
         first = ~self.initialized[slots]
-        reuse = fast_since >= self.reuse_budget[slots]
+        budget = self.reuse_budget[slots]
+        reuse = fast_since + self.offset[slots] >= budget
         bound = boundary & (fast_since >= self.min_gap[slots])
         slow = ~dense & (first | reuse | bound) & ~self.never_slow[slots]
 
@@ -228,6 +249,10 @@ class SlowStepTrigger:
         self.fast_since_slow[slots] = torch.where(
             slow | dense, torch.zeros_like(fast_since), fast_since + 1
         )
+        # the offset shortens only the interval that follows a first selection
+        first_slow = slow & first & self.stagger[slots]
+        self.offset[slots] = torch.where(first_slow, reuse_offset(context_lens, budget),
+                                         torch.where(slow | dense, torch.zeros_like(budget), self.offset[slots]))
         self.initialized[slots] = ~dense
         if known is None:
             self.pending[slots] = new_pending & ~dense

@@ -34,7 +34,7 @@ def test_working_set_sizes():
 
 
 def test_per_request_policies_drive_the_trigger():
-    ctl = controller({"reuse_budget": 3}, n=5)
+    ctl = controller({"reuse_budget": 3, "reuse_stagger": False}, n=5)
     reqs = ["d", "s", "k", "q", "f"]
     over = [{"sfi": policy_overrides(p, 0.2, 1000)} for p in ("dense", "streaming", "snapkv", "quest", "sfi")]
     modes = []

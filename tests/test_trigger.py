@@ -25,13 +25,49 @@ def run(cfg, tokens, context_start=1000, slot=0):
 
 
 def test_first_decode_then_reuse_budget():
-    cfg = build_config({"bridge_steps": 0, "reuse_budget": 5, "min_gap": 2}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 5, "min_gap": 2, "reuse_stagger": False}, use_env=False)
     _, out = run(cfg, [WORD] * 13)
     modes = [m for m, _ in out]
     assert out[0] == (StepMode.SLOW, SlowReason.FIRST_DECODE)
     assert modes[1:6] == [StepMode.FAST] * 5
     assert out[6] == (StepMode.SLOW, SlowReason.REUSE_BUDGET)
     assert out[12] == (StepMode.SLOW, SlowReason.REUSE_BUDGET)
+
+
+def test_reuse_stagger_spreads_requests_that_start_together():
+    """Eight requests decoding in lockstep with prompts one token apart: without the stagger every
+    reuse-budget slow step falls on the same step for all of them; with it the first interval of
+    each is shortened by its own offset, later intervals are the full budget, and no step has more
+    than two of them slow."""
+    budget, rows, steps = 20, 8, 100
+    slow_at = {}
+    for stagger in (False, True):
+        cfg = build_config({"bridge_steps": 0, "reuse_budget": budget, "boundary_trigger": False,
+                            "reuse_stagger": stagger}, use_env=False)
+        trig = SlowStepTrigger(cfg, num_slots=rows, vocab_size=8, boundary=BOUNDARY)
+        slots = torch.arange(rows)
+        base = torch.arange(rows) + 32768
+        modes = [trig.step(slots, torch.full((rows,), WORD), base + i)[0] for i in range(steps)]
+        slow_at[stagger] = [[i for i in range(steps) if modes[i][r] == StepMode.SLOW] for r in range(rows)]
+    assert all(s == [0, 21, 42, 63, 84] for s in slow_at[False])
+    per_step = [sum(i in s for s in slow_at[True]) for i in range(1, steps)]
+    assert max(per_step) <= 2
+    firsts = {s[1] for s in slow_at[True]}
+    assert len(firsts) >= 6  # the second slow steps are spread
+    for s in slow_at[True]:
+        assert s[0] == 0 and 1 <= s[1] <= 21  # first selection, then a shortened first interval
+        assert all(b - a == budget + 1 for a, b in zip(s[1:], s[2:]))  # then the full budget
+
+
+def test_reuse_offset_is_in_range_and_per_context():
+    from sfi_vllm.trigger import reuse_offset
+
+    ctx = torch.arange(1, 5000)
+    for b in (1, 2, 7, 64):
+        off = reuse_offset(ctx, torch.full_like(ctx, b, dtype=torch.int32))
+        assert int(off.min()) >= 0 and int(off.max()) <= b - 1
+        if b > 1:
+            assert len(set(off.tolist())) == b  # every phase is used
 
 
 def test_boundary_fires_on_first_token_after_ender_and_skips_newlines():
@@ -71,7 +107,7 @@ def test_dense_below_context_then_first_slow():
 
 
 def test_reset_and_slots_are_independent():
-    cfg = build_config({"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0}, use_env=False)
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "reuse_stagger": False}, use_env=False)
     trig = SlowStepTrigger(cfg, num_slots=4, vocab_size=8, boundary=BOUNDARY)
     slots = torch.tensor([0, 2])
     toks = torch.tensor([WORD, WORD])
