@@ -11,7 +11,9 @@
 # On the device machine, from the repository root, after the GPU install (/tmp/sfi-env.sh):
 #   . /tmp/sfi-env.sh && . benchmarks/device_env.sh && OUT=$OUT bash benchmarks/serve_bench.sh qwen
 # Settings through the environment: SFI_ARGS (the SFI server's --additional-config JSON, default
-# the speed preset), PROMPTS, RATE, IN_LEN, OUT_LEN, RANGE. Writes to $OUT: serve-bench-<set>-<mode>.json
+# the speed preset), PROMPTS, RATE, IN_LEN, OUT_LEN, RANGE, PASSES (benchmark runs per server: the
+# second pass of the same load meets the kernels compiled and the graphs captured by the first;
+# default 1 for qwen, 2 for smol). Writes to $OUT: serve-bench-<set>-<mode>.json
 # (vllm bench serve's result, per-request details included), server logs, the sfi_ lines of
 # /metrics after the SFI run.
 set -uo pipefail
@@ -23,13 +25,13 @@ if [ "$SET" = qwen ]; then
   python3 benchmarks/e2e_bench.py --out "$OUT" --make-model || exit 1
   M=/tmp/sfi-qwen3-4b-shape
   IN_LEN=${IN_LEN:-24576}; RANGE=${RANGE:-0.333}; OUT_LEN=${OUT_LEN:-512}
-  PROMPTS=${PROMPTS:-64}; RATE=${RATE:-1.5}
+  PROMPTS=${PROMPTS:-64}; RATE=${RATE:-1.5}; PASSES=${PASSES:-1}
   SERVE_ARGS=(--max-model-len 33792)
   SFI_ARGS=${SFI_ARGS:-'{"sfi": {"preset": "speed"}}'}
 else
   M=/tmp/sfi-smol
   IN_LEN=${IN_LEN:-4608}; RANGE=${RANGE:-0.5}; OUT_LEN=${OUT_LEN:-48}
-  PROMPTS=${PROMPTS:-525}; RATE=${RATE:-inf}
+  PROMPTS=${PROMPTS:-525}; RATE=${RATE:-inf}; PASSES=${PASSES:-2}
   SERVE_ARGS=()
   SFI_ARGS=${SFI_ARGS:-'{"sfi": {}}'}
 fi
@@ -56,13 +58,16 @@ for MODE in dense sfi; do
   SERVER=$!
   if ! wait_health; then echo "$MODE: the server did not come up"; tail -30 "$LOG"; kill $SERVER; exit 1; fi
   echo "$MODE: healthy after $(( $(date +%s) - t0 )) s"
+  for PASS in $(seq "$PASSES"); do
+  NAME=serve-bench-$SET-$MODE$([ "$PASS" = 1 ] || echo "-pass$PASS")
   python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url "$URL" --model $M \
     --dataset-name random --random-input-len "$IN_LEN" --random-range-ratio "$RANGE" \
     --random-output-len "$OUT_LEN" --ignore-eos --num-prompts "$PROMPTS" --request-rate "$RATE" \
     --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-    --save-result --save-detailed --result-dir "$OUT" --result-filename "serve-bench-$SET-$MODE.json" \
-    --metadata "mode=$MODE" "sfi=$([ "$MODE" = sfi ] && echo "$SFI_ARGS" || echo none)" 2>&1 \
-    | grep -E "^(=|-|[A-Z][a-zA-Z ()/]+:)" | tee "$OUT/serve-bench-$SET-$MODE.txt"
+    --save-result --save-detailed --result-dir "$OUT" --result-filename "$NAME.json" \
+    --metadata "mode=$MODE" "pass=$PASS" "sfi=$([ "$MODE" = sfi ] && echo "$SFI_ARGS" || echo none)" 2>&1 \
+    | grep -E "^(=|-|[A-Z][a-zA-Z ()/]+:)" | tee "$OUT/$NAME.txt"
+  done
   if [ "$MODE" = sfi ]; then
     curl -s "$URL/metrics" | grep '^sfi_' > "$OUT/serve-bench-$SET-metrics.txt"
     echo "sfi_ metric lines: $(wc -l < "$OUT/serve-bench-$SET-metrics.txt")"
@@ -76,10 +81,8 @@ import json, sys
 from pathlib import Path
 out, name = Path(sys.argv[1]), sys.argv[2]
 rows = {}
-for mode in ("dense", "sfi"):
-    p = out / f"serve-bench-{name}-{mode}.json"
-    if p.exists():
-        rows[mode] = json.loads(p.read_text())
+for p in sorted(out.glob(f"serve-bench-{name}-*.json")):
+    rows[p.stem[len(f"serve-bench-{name}-"):]] = json.loads(p.read_text())
 keys = ["duration", "completed", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
         "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"]
 print("| metric | " + " | ".join(rows) + " |")
@@ -87,6 +90,8 @@ print("|---|" + "---|" * len(rows))
 for k in keys:
     print(f"| {k} | " + " | ".join(str(round(r.get(k, float('nan')), 2)) for r in rows.values()) + " |")
 for mode, r in rows.items():
+    if "start_times" not in r:
+        continue
     start = min(r["start_times"])
     fin = sorted(s - start + t + sum(i) for s, t, i in zip(r["start_times"], r["ttfts"], r["itls"]) if t)
     n = len(fin)

@@ -223,9 +223,13 @@ class ScoreFrames(NamedTuple):
 
 
 def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs: int = 528) -> int:
-    """Enough splits to fill the GPU, but no split shorter than 256 keys."""
+    """Enough splits to fill the GPU, but no split shorter than 256 keys, rounded down to a power
+    of two. The split count is a compile-time constant of both kernels: unrounded, a draining batch
+    (rows and keys changing every step) asks for a new value, and a new compilation of about a
+    second, at nearly every eager step; rounded, there are at most seven."""
     want = triton.cdiv(target_programs, max(1, rows * kv_heads))
-    return int(max(1, min(want, triton.cdiv(max_keys, 256), 64)))
+    n = int(max(1, min(want, triton.cdiv(max_keys, 256), 64)))
+    return 1 << (n.bit_length() - 1)
 
 
 def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528) -> int:

@@ -173,6 +173,31 @@ def test_slow_step_selection_captures_a_shape_only_once_it_recurs():
     assert selection.SlowStepSelection(capture_after=1).count_use(a) is True
 
 
+def test_slow_step_selection_counts_the_layers_of_one_step_once():
+    """Every layer of a slow step calls the selection with the same shape: that is one use, so a
+    shape seen in a single step (30 layers) is not captured; an evicted shape counts afresh."""
+    from sfi_vllm.backends import selection
+
+    sel = selection.SlowStepSelection()
+    a = ("a",)
+    assert not any(sel.count_use(a, step=7) for _ in range(30))
+    assert not sel.count_use(a, step=8)
+    assert sel.count_use(a, step=9)
+    sel.forget(a)
+    assert not sel.count_use(a, step=10)
+
+
+def test_fast_step_split_counts_are_powers_of_two():
+    """The split count is a compile-time constant of the fast-step kernels: a draining batch must
+    not meet a new one at every step (each a compilation)."""
+    pytest.importorskip("triton")
+    from sfi_vllm_kernels.fast_decode import default_num_splits
+
+    seen = {default_num_splits(rows, hkv, keys) for rows in range(1, 64) for hkv in (1, 3, 8)
+            for keys in range(1, 20000, 97)}
+    assert seen <= {1, 2, 4, 8, 16, 32, 64} and {1, 64} <= seen
+
+
 def test_page_selection_keeps_a_run_of_tokens_that_token_soft_nms_thins():
     """A needle written over 10 adjacent tokens, its evidence peaked on the first: token-level
     soft-NMS keeps the peak and pushes the neighbours below the background; page selection (16)

@@ -376,7 +376,8 @@ class SFILayer:
             sel = self.controller.slow_selection.select(
                 self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
                 bt if all_scored else bt[sub], seq,
-                [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale)
+                [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale,
+                step=self.controller.planned_steps)
             if all_scored:
                 positions[:, :, sinks:sinks + sel.shape[-1]] = sel
             else:

@@ -14,8 +14,9 @@ and every later slow step of that shape:
 * per-row candidate counts and budgets are device inputs of the graph; the score kernel (whose
   key-cache pointer differs per layer) runs outside the graph into the graph's static input.
 
-The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted). A shape is captured only
-from its ``CAPTURE_AFTER``-th use on; before that its work runs eagerly. Capturing is expensive
+The newest ``MAX_GRAPHS`` graphs are kept (least recently used evicted, and its use count with
+it). A shape is captured only from the ``CAPTURE_AFTER``-th engine step that uses it on (the
+layers of a step count once); before that its work runs eagerly. Capturing is expensive
 (``torch.cuda.graph`` synchronises the device and empties the caching allocator), and a mixed
 workload (many requests with different policies and budgets, slow rows joining and leaving) sees
 a new shape at nearly every slow step (capturing each one made engine steps of about 0.3 s in
@@ -95,13 +96,22 @@ class SlowStepSelection:
         self.captures = 0
         self.eager_runs = 0
 
-    def count_use(self, key: tuple) -> bool:
-        """Record one use of a shape; True once it has been used ``capture_after`` times."""
-        n = self._uses.pop(key, 0) + 1
-        self._uses[key] = n
+    def count_use(self, key: tuple, step: int | None = None) -> bool:
+        """Record one use of a shape; True once it has been used in ``capture_after`` steps. The
+        layers of one step (same ``step``) count once: a shape seen in a single step, which a
+        mixed workload produces at nearly every slow step, is not captured."""
+        n, last = self._uses.pop(key, (0, None))
+        if step is None or step != last:
+            n += 1
+        self._uses[key] = (n, step)
         while len(self._uses) > MAX_COUNTED_SHAPES:
             self._uses.popitem(last=False)
         return n >= self.capture_after
+
+    def forget(self, key: tuple) -> None:
+        """An evicted shape starts counting again (so that shapes which keep evicting each other
+        run eagerly instead of being captured again at every use)."""
+        self._uses.pop(key, None)
 
     @staticmethod
     def frame_width(max_context: int) -> int:
@@ -109,9 +119,10 @@ class SlowStepSelection:
 
     def select(self, selector: Selector, q: torch.Tensor, key_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, contexts: list[int], lo: int,
-               hi: list[int], k: list[int], scale: float) -> torch.Tensor:
+               hi: list[int], k: list[int], scale: float, step: int | None = None) -> torch.Tensor:
         """Positions ``(R, Hkv, max(k))`` (row ``b``'s first ``k[b]`` ascending) for the slow rows
-        whose queries are ``q (R, Hq, D)``; see :func:`sfi_vllm.selector.select_batched`."""
+        whose queries are ``q (R, Hq, D)``; see :func:`sfi_vllm.selector.select_batched`.
+        ``step``: the engine step (the layers of a step count as one use of the shape)."""
         from sfi_vllm_kernels.selector_scores import selector_scores
         from sfi_vllm_kernels.slow_scores import slow_step_scores
 
@@ -144,7 +155,7 @@ class SlowStepSelection:
         if q.device.type != "cuda":
             return body()
         if entry.graph is None:
-            if not self.count_use(key):
+            if not self.count_use(key, step):
                 self.eager_runs += 1
                 return body()
             self._capture(entry, body)
@@ -155,7 +166,8 @@ class SlowStepSelection:
     def _new_entry(self, key: tuple) -> _Entry:
         rows, hkv, g, width, _, _, _, device = key
         while len(self._entries) >= self.max_graphs:
-            _, old = self._entries.popitem(last=False)
+            old_key, old = self._entries.popitem(last=False)
+            self.forget(old_key)
             if old.graph is not None:
                 # a graph's pool returns to the allocator when the graph goes, without waiting for
                 # a replay still running on this (the refresh) stream

@@ -403,5 +403,7 @@ class StepRefresh:
         """Forget entries. A captured graph's memory pool returns to the allocator when the graph
         goes, without waiting for a replay still running: wait for the refresh work first."""
         entries = [self._entries.pop(k) for k in keys]
+        for k in keys:
+            self._uses.forget(k)
         if any(e.graph is not None for e in entries) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the refresh stream inside flush()
