@@ -93,7 +93,7 @@ def make_tokenizer(path: Path) -> None:
     hf.save_pretrained(str(path))
 
 
-SFI = {"preset": "speed"}  # the default selection, slow step every 21 steps; --variant NAME='{...}' times others
+SFI = {"preset": "speed"}  # pages, no bridge, slow step every 21 steps; --variant NAME='{...}' times others
 # --slow-probe: the SFI engine also times each point with a slow step every other step (a
 # per-request override, so the probe shares the engine and its prefix cache); with the two runs'
 # step times and slow-step rates, the time of a slow and of a fast step follow (two equations).

@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24, help="tokens per profiled generate call")
     ap.add_argument("--sfi", default=None, help="JSON overrides of the engine's SFI settings")
     ap.add_argument("--out", default=None, help="folder for profile-engine-BxC.txt")
+    ap.add_argument("--profiled", choices=("probe", "plain"), default="probe",
+                    help="the run under the profilers: the slow-step probe or the engine's own settings")
     args = ap.parse_args()
 
     import torch
@@ -66,25 +68,26 @@ def main() -> int:
         torch.cuda.synchronize()
         lines.append(f"{name}: {args.tokens} tokens x {batch} in {time.perf_counter() - t:.3f} s")
 
+    profiled = probe if args.profiled == "probe" else plain
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts, probe, use_tqdm=False)
+    llm.generate(prompts, profiled, use_tqdm=False)
     torch.cuda.synchronize()
     prof.disable()
     for key, n in (("tottime", 45), ("cumtime", 60)):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
-        lines.append(f"## cProfile, probe run, by {key}\n" + s.getvalue())
+        lines.append(f"## cProfile, {args.profiled} run, by {key}\n" + s.getvalue())
 
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-        llm.generate(prompts, probe, use_tqdm=False)
+        llm.generate(prompts, profiled, use_tqdm=False)
         torch.cuda.synchronize()
     avg = tp.key_averages()
-    lines.append("## torch.profiler, probe run, by device time\n"
+    lines.append(f"## torch.profiler, {args.profiled} run, by device time\n"
                  + avg.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
-    lines.append("## torch.profiler, probe run, by host time\n"
+    lines.append(f"## torch.profiler, {args.profiled} run, by host time\n"
                  + avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     text = "\n\n".join(lines)
     print(text)

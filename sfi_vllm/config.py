@@ -140,11 +140,12 @@ class SFIConfig(BaseModel):
         "at the first decode step (the paper's)",
     )
     reuse_stagger: bool = Field(
-        True,
+        False,
         description="spread the reuse-budget phase over requests: the first reuse interval after a "
         "request's first selection is shortened by a per-request offset in [0, reuse_budget) derived "
-        "from its context length, so that requests that started together do not all reach their "
-        "budget, and run a slow step, on the same decode step (each later interval is the full budget)",
+        "from its context length, so that requests that started together do not all run their "
+        "budget's slow step on the same decode step (later intervals are the full budget). Off by "
+        "default: on the H200 it made decoding slower, not faster (benchmarks/results/e2e-h200-default.md)",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(

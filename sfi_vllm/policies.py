@@ -50,7 +50,7 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-interval": {"policy": "sfi", "boundary_trigger": False},
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
     "sfi-reuse-20": {"policy": "sfi", "boundary_trigger": False, "reuse_budget": 20},
-    "sfi-no-stagger": {"policy": "sfi", "reuse_stagger": False},
+    "sfi-stagger": {"policy": "sfi", "reuse_stagger": True},
     "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "selector": dict(_PAPER_SELECTOR)},
     "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False,
                          "selector": {**_PAPER_SELECTOR, "use_nms": False}},

@@ -113,16 +113,16 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
 
 
 def test_speed_preset_is_the_measured_benchmark_setting():
-    """The speed preset is what benchmarks/e2e_bench.py times and what the quality suite runs as
-    the policy ``sfi-reuse-20``: the default selection without the boundary trigger and with a
-    reuse budget of 20. So it keeps slow steps inside CUDA graphs and the fused slow-step scores
-    (no layer interleaving)."""
+    """The speed preset is what benchmarks/e2e_bench.py times: the default selection without the
+    bridge and the boundary trigger, with a reuse budget of 20 (the quality suite's policy
+    ``sfi-reuse-20`` plus ``bridge_steps`` 0). So it keeps slow steps inside CUDA graphs and the
+    fused slow-step scores (no layer interleaving)."""
     from sfi_vllm.policies import policy_overrides
 
-    measured = build_config({"boundary_trigger": False, "reuse_budget": 20}, use_env=False)
+    measured = build_config({"boundary_trigger": False, "reuse_budget": 20, "bridge_steps": 0}, use_env=False)
     cfg = build_config({"preset": "speed"}, use_env=False)
     assert cfg.model_dump(exclude={"preset"}) == measured.model_dump(exclude={"preset"})
-    assert build_config(policy_overrides("sfi-reuse-20", 0, 4096), use_env=False).model_dump(
+    assert build_config({**policy_overrides("sfi-reuse-20", 0, 4096), "bridge_steps": 0}, use_env=False).model_dump(
         exclude={"preset"}) == measured.model_dump(exclude={"preset"})
     import sys
     from pathlib import Path

@@ -44,6 +44,7 @@ def test_reuse_stagger_spreads_requests_that_start_together():
     for stagger in (False, True):
         cfg = build_config({"bridge_steps": 0, "reuse_budget": budget, "boundary_trigger": False,
                             "reuse_stagger": stagger}, use_env=False)
+        assert cfg.reuse_stagger is stagger
         trig = SlowStepTrigger(cfg, num_slots=rows, vocab_size=8, boundary=BOUNDARY)
         slots = torch.arange(rows)
         base = torch.arange(rows) + 32768
