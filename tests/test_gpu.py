@@ -46,7 +46,7 @@ def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
         assert err < 1e-2, err
 
 # The packed GPU path (score kernel, batched Selector, repack, fast-step tables, uniform launch)
-# against the reference layer: tests/kernel_checks.py:check_packed_layer, run by test_kernels.py.
+# against the reference layer: tests/kernels/test_packed_layer.py (with the other kernel tests).
 
 
 def test_lagged_token_reads_on_cuda_match_the_cpu_and_do_not_wait():
