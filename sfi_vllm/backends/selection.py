@@ -67,7 +67,7 @@ MAX_COUNTED_SHAPES = 256
 # The fused selector kernels serve frames up to this width; longer frames use the torch Selector.
 # Fused against torch on the H200 (one slow step's selection work per layer, benchmarks/attn_timing.py):
 # 1,168 vs 2,069 us at 6 x 128K, 563 vs 681 at 1 x 128K, 637 vs 953 at 8 x 32K, 596 vs 682 at
-# 1 x 32K, with tests/kernel_checks.py passing at a 128K frame. The bound only guards frames beyond
+# 1 x 32K, with the kernel tests (tests/kernels) passing at a 128K frame. The bound only guards frames beyond
 # the measured range.
 FUSED_MAX_FRAME = 262144
 

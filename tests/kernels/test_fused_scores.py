@@ -1,0 +1,79 @@
+"""The fast-step kernel's fused slow-step scores (``fast_decode_attention(scores=...)``) against
+the gathered keys' logits and norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import GPU_DTYPES, GPU_SHAPES, block_tables, case, paged_cache, shape_id
+
+
+def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
+                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5):
+    """The fast-step kernel's fused slow-step scores: rows 1 and 2 are dense and scored (one
+    group of two rows, frame width past both contexts, written as layer 1 of 2), row 0 has a
+    compact set and a frame base (ignored: only dense rows are scored), row 3 is dense and not
+    scored, row 4 is padding. Their logits and key norms against the gathered keys; nothing
+    written outside the two frames; the attention output the same as without scores."""
+    from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
+
+    g = torch.Generator().manual_seed(seed)
+    B, G = len(seq_lens), hq // hkv
+    nb, bt = block_tables([max(s, 1) for s in seq_lens], page, 5, g, device)
+    paged, kc, vc = paged_cache(nb, page, hkv, d, dtype, device, g)
+    ck = torch.randn(2, hkv, 64, d, generator=g).to(device, dtype)
+    cv = torch.randn(2, hkv, 64, d, generator=g).to(device, dtype)
+    nc = torch.tensor([50, 0], dtype=torch.int32, device=device)
+    ws = torch.tensor([seq_lens[0] - 100, 0], dtype=torch.int32, device=device)
+    row_slot = torch.tensor([0, -1, -1, -1, -1], dtype=torch.int32, device=device)
+    zeros = torch.zeros(B, dtype=torch.int32, device=device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(B, hq, d, generator=g).to(device, dtype)
+    scale = d ** -0.5
+    width, layers, rows = max(seq_lens[1:3]) + 37, 2, 2
+    lead = 3  # tokens of frame space before the group's (another group's, say)
+    base = torch.tensor([lead, lead, lead + width, -1, -1], dtype=torch.int32, device=device)
+    stride = torch.full((B,), rows * width, dtype=torch.int32, device=device)
+    wid = torch.full((B,), width, dtype=torch.int32, device=device)
+    tokens = lead + layers * rows * width + 5
+    worst = 0.0
+    for ns in splits:
+        plain = torch.full_like(q, float("nan"))
+        fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=plain,
+                              workspace=make_workspace(B, hq, d, ns, device))
+        logits = torch.full((tokens * hq,), float("nan"), device=device)
+        norms = torch.full((tokens * hkv,), float("nan"), device=device)
+        out = torch.full_like(q, float("nan"))
+        fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=out,
+                              workspace=make_workspace(B, hq, d, ns, device),
+                              scores=ScoreFrames(base, stride, wid, logits, norms, 1))
+        assert torch.equal(out, plain), "the scores changed the attention output"
+        lg = logits[(lead + rows * width) * hq:(lead + 2 * rows * width) * hq].view(rows, hkv, G, width)
+        nm = norms[(lead + rows * width) * hkv:(lead + 2 * rows * width) * hkv].view(rows, hkv, width)
+        for j, b in enumerate((1, 2)):
+            n = seq_lens[b]
+            keys, _ = paged.gather_range(bt[b], 0, n, want_values=False)
+            ref = torch.einsum("hgd,hnd->hgn", q[b].float().view(hkv, G, d), keys.float()) * scale
+            assert torch.all(lg[j, ..., n:] == float("-inf")) and torch.all(nm[j, :, n:] == 0)
+            worst = max(worst, (lg[j, ..., :n].cpu() - ref.cpu()).abs().max().item())
+            assert torch.allclose(nm[j, :, :n], keys.float().norm(dim=-1), rtol=1e-3, atol=1e-3)
+        written = torch.zeros(tokens, dtype=torch.bool)
+        written[lead + rows * width:lead + 2 * rows * width] = True
+        assert torch.isnan(logits.view(tokens, hq)[~written]).all(), "logits written outside the frames"
+        assert torch.isnan(norms.view(tokens, hkv)[~written]).all(), "norms written outside the frames"
+    return worst
+
+
+CASES = [
+    *(case("cpu", dtype, dict(hq=4, hkv=2, d=32, seq_lens=(200, 90, 130, 70, 0)), tol, id=shape_id(dtype, 4, 2, 32))
+      for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2))),
+    *(case("cuda", dtype, dict(hq=hq, hkv=hkv, d=d), 5e-2, id=shape_id(dtype, hq, hkv, d))
+      for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES),
+]
+
+
+@pytest.mark.parametrize("device,dtype,kw,tol", CASES)
+def test_fused_scores(device, dtype, kw, tol):
+    err = check_fused_scores(device, dtype, **kw)
+    assert err < tol, (dtype, err)

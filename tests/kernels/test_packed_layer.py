@@ -1,0 +1,259 @@
+"""The GPU layer path (score kernel, batched Selector, repack, fast-step tables, uniform launch)
+against the reference layer, per layer (``check_packed_layer``), per step (``check_step_refresh``:
+``slow_refresh = "per_step"``) and as a uniform step (``check_graph_slow``: ``slow_in_graph``).
+
+The ``selection``-marked cases are those a change to the Selector or its settings needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import GPU_DTYPES, GPU_SHAPES, assert_same_sets, case, device_batch, refresh_stacks, shape_id
+from sfi_vllm.paged_kv import PagedKV
+
+
+def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi", refresh="per_layer"):
+    """The GPU layer path (score kernel + batched Selector + one repack; fast rows through the
+    step's tables; the uniform all-rows launch with a dense row and a padding row) against the
+    reference layer (per-row torch selector, gathered keys, reference attention)."""
+    from sfi_vllm.backends.common import FastRows, SFILayer, attach_fast_tables, fast_row_tables, make_step
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from test_sfi_layer import fake_vllm_config, plan_for
+
+    n = len(seq_lens)
+    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+            **policy_overrides(policy, retention, max(seq_lens))}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    cfg = ctl.cfg
+    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
+    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
+    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    # a second GPU-path layer over the same step: it reuses what the first left in the step's
+    # layer cache (index tensors, positions buffer, repack metadata) and must match as well
+    packed2 = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
+    fast2 = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed2)
+    paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d)
+    ctx = list(seq_lens)
+    slow = make_step(plan_for([StepMode.SLOW] * n, cfg=cfg, context=ctx), cam, lambda s: None)
+    # the fast step: one token later for every row (the window slides by one)
+    modes = [StepMode.FAST] * (n - 1) + [StepMode.DENSE]
+    step = make_step(plan_for(modes, cfg=cfg, context=ctx), cam, lambda s: None)
+    attach_fast_tables(step, cam, ctl)
+    outs = []
+    for layer in (ref, fast, fast2):
+        layer.refresh(slow, paged, qd, 0)
+        ctl.end_step()  # the runner hook after the forward (runs a per-step refresh)
+        ctl.join_refresh()  # what the metadata builder does at the start of the next step
+        out = torch.full_like(qd, float("nan"))
+        layer.fast(step, paged, qd, out)
+        outs.append(out[: n - 1].float().cpu())
+    same = 0
+    for row in range(n):
+        entry = ref.buffer.get(row, 1)
+        k = entry.num_tokens
+        assert packed.length[row] == k and packed.window_start[row] == entry.window_start
+        phys = packed.slot_map[row]
+        assert int(packed.slot_map_dev[row]) == phys
+        assert int(packed.length_dev[phys]) == k and int(packed.window_start_dev[phys]) == entry.window_start
+        ref_keys = entry.keys.to(dtype).cpu()
+        got = packed.published_keys(row).cpu()
+        same += (got == ref_keys).all(-1).float().mean().item()
+    assert same / n > 0.97, f"selections differ: {same / n:.3f} of tokens identical"
+    err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert err < 2e-2, f"fast rows: {err}"
+    assert torch.equal(outs[2], outs[1]), "a second layer of the same step (cached step tensors) differs"
+    assert slow.layer_cache, "the step's layer cache was not used"
+    # the uniform launch: the same fast rows, the last row dense, one padding row (seq_len 0)
+    tables = torch.zeros(2, n + 1, dtype=torch.int32)
+    tables[:, :n] = fast_row_tables(step.plan, list(range(n)))
+    tables[0, n] = -1
+    uni = FastRows(rows=n + 1, slot=tables[0].to(device), min_window_start=tables[1].to(device),
+                   seq_lens=torch.tensor(ctx + [0], dtype=torch.int32, device=device),
+                   block_table=torch.cat([cam.block_table_tensor, cam.block_table_tensor[:1]]))
+    qu = torch.cat([qd, qd[:1]])
+    out = torch.full_like(qu, float("nan"))
+    ws = torch.empty(uniform_workspace_numel(8, hq, hkv, d), dtype=torch.float32, device=device)
+    fast.fast_uniform(uni, paged, qu, out, ws)
+    out = out.float().cpu()
+    err = ((out[: n - 1] - outs[0]).norm() / outs[0].norm()).item()
+    assert err < 2e-2, f"uniform fast rows: {err}"
+    from sfi_vllm.attention_ref import dense_attention
+
+    keys, values = paged.gather_range(cam.block_table_tensor[n - 1], 0, ctx[-1])
+    dense = dense_attention(qd[n - 1], keys, values, d ** -0.5).cpu()
+    assert ((out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "dense row"
+    assert torch.all(out[n] == 0), "padding row"
+    return err
+
+
+def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                       seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None):
+    """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
+    when the step ends, replayed from a CUDA graph) against ``"per_layer"``, layer by layer: each
+    layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
+    data: on CUDA the first runs eagerly, the second captures, the later ones replay (and must
+    read their own inputs). ``chunk_bytes`` small: one layer per Selector launch."""
+    from sfi_vllm.backends.common import make_step
+    from sfi_vllm.backends.step_refresh import StepRefresh
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import plan_for
+
+    n = len(seq_lens)
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    ctls, stacks = refresh_stacks([{**base, "slow_refresh": m} for m in ("per_layer", "per_step")],
+                                  hq, hkv, d, dtype, device, layers)
+    ctls[1]._step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
+    g = torch.Generator().manual_seed(11)
+    paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
+    # each layer's cache, allocated once (an engine's caches persist; a graph holds their addresses)
+    pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
+    for _ in range(steps):
+        for p in pageds:  # new data in place
+            p.kv_cache.copy_(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype))
+        qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
+        for ctl, stack in zip(ctls, stacks):
+            step = make_step(plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
+            for li, layer in enumerate(stack):
+                layer.refresh(step, pageds[li], qs[li], li)
+            ctl.end_step()  # the per-step refresh runs here
+            ctl.join_refresh()
+        assert not ctls[1].step_refresh.pending
+        assert_same_sets(stacks[0], stacks[1], n, values=True)
+    sr = ctls[1].step_refresh
+    if device == "cuda":
+        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
+    return 0.0
+
+
+def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                     seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
+                     top_k="torch"):
+    """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
+    for the slow rows and stages every row's query; the refresh runs from the plan when the step
+    ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
+    outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
+    (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
+    the refresh reads them instead of running the score kernel. ``top_k``: ``selector_top_k`` of
+    the graph step's engine (the reference's is torch's)."""
+    from sfi_vllm.attention_ref import dense_attention
+    from sfi_vllm.backends.common import make_step, uniform_tables
+    from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
+    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from test_sfi_layer import plan_for
+
+    n = len(seq_lens)
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    # fused: room for the step's frames (one group: every row gets the largest context rounded up
+    # to 2048) and no more
+    tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
+    (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
+                                             {**base, "slow_refresh": "per_step", "slow_in_graph": True,
+                                              "fused_scores_tokens": tokens, "selector_top_k": top_k}],
+                                            hq, hkv, d, dtype, device, layers)
+    ctl._step_refresh = StepRefresh(capture_after=2)
+    ctl.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
+    if fused:  # as the CUDA impl allocates them
+        ctl.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
+    assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
+    g = torch.Generator().manual_seed(13)
+    paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)
+    pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
+    for layer, p in zip(stacks[1], pageds):
+        layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
+        layer.kv = p.nhd_views()
+    persistent = torch.zeros(5 if fused else 2, n, dtype=torch.int32, device=device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    for _ in range(steps):
+        for p in pageds:
+            p.kv_cache.copy_(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype))
+        qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
+        # reference: the per-layer refresh of an eager slow step
+        step = make_step(plan_for([StepMode.SLOW] * n, cfg=ref_ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
+        for li, layer in enumerate(stacks[0]):
+            layer.refresh(step, pageds[li], qs[li], li)
+        ref_ctl.end_step()
+        ref_ctl.join_refresh()
+        # the same slow step as a uniform step
+        plan = plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens))
+        plan.graph_slow = True
+        assert not plan.needs_eager
+        if fused:
+            plan.score_layout = ctl._score_layout(plan)
+            assert plan.score_layout is not None
+            ctl.fused_scores.logits.fill_(float("nan"))  # what the refresh reads must be this step's
+            ctl.fused_scores.norms.fill_(float("nan"))
+        tables = uniform_tables(plan, cam, persistent, ctl)
+        for li, layer in enumerate(stacks[1]):
+            out = torch.full_like(qs[li], float("nan"))
+            layer.fast_uniform(tables, pageds[li], qs[li], out, ws)
+            assert torch.equal(layer.stage[:n], qs[li]), "query staging"
+            for r in (0, n - 1):  # slow rows attend densely
+                keys, values = pageds[li].gather_range(cam.block_table_tensor[r], 0, seq_lens[r])
+                dense = dense_attention(qs[li][r], keys, values, d ** -0.5).float().cpu()
+                assert ((out[r].float().cpu() - dense).norm() / dense.norm()).item() < 2e-2, "dense slow row"
+        ctl.note_graph_slow(plan, cam.block_table_tensor)
+        ctl.end_step()
+        ctl.join_refresh()
+        assert not ctl.step_refresh.pending
+        assert_same_sets(stacks[0], stacks[1], n)
+    sr = ctl.step_refresh
+    assert any(key[2] == ("fused", 0) for key in sr._entries) == fused, "fused scores used" 
+    if device == "cuda":
+        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
+    return 0.0
+
+
+CPU_SHAPE = dict(hq=6, hkv=3, d=32)
+CPU_ROWS = (300, 150, 420, 200)
+GPU = [(dtype, dict(hq=hq, hkv=hkv, d=d)) for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES]
+
+
+@pytest.mark.parametrize("device,dtype,kw", [
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400)),
+         id="sfi-per_layer-" + shape_id(torch.float32, **CPU_SHAPE)),
+    *(case("cuda", dtype, dict(**shape, policy=policy), id=f"{policy}-per_layer-" + shape_id(dtype, **shape),
+           selection=policy == "sfi" and dtype == torch.bfloat16)
+      for dtype, shape in GPU for policy in ("sfi", "streaming", "snapkv")),
+    *(case("cuda", dtype, dict(**shape, refresh="per_step"), id="sfi-per_step-" + shape_id(dtype, **shape),
+           selection=dtype == torch.bfloat16)
+      for dtype, shape in GPU),
+])
+def test_packed_layer(device, dtype, kw):
+    check_packed_layer(device, dtype, **kw)
+
+
+@pytest.mark.parametrize("device,dtype,kw", [
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2),
+         id="layers2-steps2-" + shape_id(torch.float32, **CPU_SHAPE)),
+    *(case("cuda", dtype, shape, id="layers3-steps4-" + shape_id(dtype, **shape), selection=dtype == torch.bfloat16)
+      for dtype, shape in GPU),
+    *(case("cuda", dtype, dict(**shape, chunk_bytes=1), id="layers3-steps4-chunk1-" + shape_id(dtype, **shape))
+      for dtype, shape in GPU),
+])
+def test_step_refresh(device, dtype, kw):
+    check_step_refresh(device, dtype, **kw)
+
+
+@pytest.mark.parametrize("device,dtype,kw", [
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=1),
+         id="unfused-torch_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=1, fused=True, top_k="triton"),
+         id="fused-triton_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
+    *(case("cuda", dtype, dict(**shape, **over), id=name + shape_id(dtype, **shape),
+           selection=dtype == torch.bfloat16 and "top_k" not in over)
+      for dtype, shape in GPU
+      for name, over in (("unfused-torch_top_k-", {}), ("fused-torch_top_k-", dict(fused=True)),
+                         ("unfused-triton_top_k-", dict(top_k="triton")))),
+])
+def test_graph_slow(device, dtype, kw):
+    check_graph_slow(device, dtype, **kw)
