@@ -92,7 +92,7 @@ def test_from_vllm_additional_config():
         additional_config = {"sfi": {"preset": "quality", "reuse_budget": 20}}
 
     cfg = config_from_vllm(V())
-    assert cfg.selected_tokens == 4096 and cfg.reuse_budget == 20
+    assert cfg.bridge_steps == 32 and cfg.reuse_budget == 20
 
     class Bad:
         additional_config = {"sfi": [1, 2]}
@@ -110,6 +110,15 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
     assert not refresh_per_step("auto", [131072] * 6)
     assert refresh_per_step("auto", [AUTO_MAX_TOKENS]) and not refresh_per_step("auto", [AUTO_MAX_TOKENS, 1])
     assert refresh_per_step("per_step", [131072] * 6) and not refresh_per_step("per_layer", [10])
+
+
+def test_quality_preset_is_the_measured_bridge_32_policy():
+    """The quality preset is what the quality suite measured as ``sfi-bridge-32``."""
+    from sfi_vllm.policies import policy_overrides
+
+    measured = build_config(policy_overrides("sfi-bridge-32", 0, 4096), use_env=False)
+    cfg = build_config({"preset": "quality"}, use_env=False)
+    assert cfg.model_dump(exclude={"preset"}) == measured.model_dump(exclude={"preset"})
 
 
 def test_speed_preset_is_the_measured_benchmark_setting():
