@@ -111,8 +111,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
         probe: bool = False, tp: int = 1) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
     pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
-    slow-step probe) a short warm-up decode compiles what the first decode steps need (Triton
-    kernels, SFI's selection graph for this context), a cached one-token pass times the residual,
+    slow-step probe) a warm-up decode (:func:`warmup_tokens`) compiles what the decode steps need
+    (Triton kernels, SFI's selection graphs for this context), a cached one-token pass times the residual,
     then the timed run. CUDA-graph capture sizes include every batch of the run, so each batch
     replays a graph of its own size in both modes."""
     import torch
@@ -141,8 +141,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             extra = {"extra_args": {"sfi": over}} if over else {}
             one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, **extra)
             full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **extra)
-            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, **extra),
-                         use_tqdm=False)
+            llm.generate(prompts, SamplingParams(max_tokens=warmup_tokens(sfi, over, new_tokens), temperature=0,
+                                                 ignore_eos=True, **extra), use_tqdm=False)
             t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
             before = _stats_totals(llm) if sfi is not None else None
             reads0 = _token_reads()
@@ -171,6 +171,19 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             out.append(res)
             print("RESULT " + json.dumps(res), flush=True)
     return out
+
+
+def warmup_tokens(sfi: dict | None, over: dict | None, new_tokens: int) -> int:
+    """Tokens of a point's warm-up call: past the first selection (after the dense bridge) and
+    three more slow steps, so that the selection's kernels are compiled and its CUDA graphs
+    captured (from a shape's third step on) before the timed run; a warm-up that ended inside the
+    bridge left all of that to the timed run (benchmarks/results/e2e-h200-default.md)."""
+    if sfi is None:
+        return 4
+    from sfi_vllm.config import build_config
+
+    cfg = build_config({**sfi, **(over or {})}, use_env=False)
+    return max(4, min(new_tokens, cfg.bridge_steps + 3 * (cfg.reuse_budget + 1) + 2))
 
 
 def _token_reads() -> tuple[int, ...] | None:

@@ -145,7 +145,8 @@ class SFIConfig(BaseModel):
         "request's first selection is shortened by a per-request offset in [0, reuse_budget) derived "
         "from its context length, so that requests that started together do not all run their "
         "budget's slow step on the same decode step (later intervals are the full budget). Off by "
-        "default: on the H200 it made decoding slower, not faster (benchmarks/results/e2e-h200-default.md)",
+        "default: on the H200 it made decoding slower (a step with one slow row pays much of the "
+        "refresh's fixed cost; benchmarks/results/e2e-h200-default.md)",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(
