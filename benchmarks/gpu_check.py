@@ -15,7 +15,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     model = Path("/tmp/sfi-smol")
     convert(args.gguf, model)
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.tools.engine_job import EngineJob, run_engine_job
 
     prompts = ["Write three sentences about the sea. " * 40, "Explain what a compiler does. " * 60]
     r = run_engine_job(EngineJob(model=str(model), prompts=prompts, max_tokens=48, attention_backend="sfi",

@@ -32,7 +32,7 @@ def convert(gguf: str, out: Path) -> None:
     if (out / "model.safetensors").exists():
         return
     code = (
-        "import sys; from pathlib import Path; from sfi_vllm import model_prep as m\n"
+        "import sys; from pathlib import Path; from sfi_vllm.tools import model_prep as m\n"
         "out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True)\n"
         "m._convert(Path(sys.argv[1]), out, True, m._Reporter(True))\n"
     )
@@ -91,8 +91,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, common_prefix_len, run_engine_job
-    from sfi_vllm.texts import long_prompts
+    from sfi_vllm.tools.engine_job import EngineJob, common_prefix_len, run_engine_job
+    from sfi_vllm.tools.texts import long_prompts
 
     prompts = long_prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.prompt_tokens, seed=3)
     base = dict(model=str(model), prompts=prompts, max_tokens=args.max_tokens)

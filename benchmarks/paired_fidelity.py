@@ -18,7 +18,7 @@ import lzma
 import statistics
 from pathlib import Path
 
-from sfi_vllm.quality.fidelity import t975
+from sfi_vllm.tools.quality.fidelity import t975
 
 def load(path: str) -> list[dict]:
     opener = lzma.open if path.endswith(".xz") else open

@@ -9,7 +9,7 @@ attention) runs the chat prompt and its first greedy token, which is what vLLM's
 (a slow step for every selecting policy) attends with. From that step's attention probabilities
 and the cached keys, the reference Selector (:class:`sfi_vllm.selector.Selector`, the spec the GPU
 kernels match) picks each policy's selected set per layer and KV head, at the policy's own working
-set for each retention (:func:`sfi_vllm.policies.policy_overrides`). Printed per policy and
+set for each retention (:func:`sfi_vllm.tools.policies.policy_overrides`). Printed per policy and
 retention: the share of the needle's tokens (every occurrence of every answer string in the
 prompt, e.g. both occurrences of the pass key) that are selected, averaged over layers and KV heads; the share of (layer, head) sets holding every needle
 token; and the evidence mass f on the needle. Samples whose needle lies in the recent window (kept
@@ -64,9 +64,9 @@ def main() -> int:
 
     from sfi_vllm.compact import selected_count, window_start
     from sfi_vllm.config import build_config
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.policies import policy_overrides
-    from sfi_vllm.quality.tasks import make_samples
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.policies import policy_overrides
+    from sfi_vllm.tools.quality.tasks import make_samples
     from sfi_vllm.selector import Selector
 
     torch.manual_seed(0)

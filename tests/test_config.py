@@ -114,7 +114,7 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
 
 def test_quality_preset_is_the_measured_bridge_32_policy():
     """The quality preset is what the quality suite measured as ``sfi-bridge-32``."""
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
 
     measured = build_config(policy_overrides("sfi-bridge-32", 0, 4096), use_env=False)
     cfg = build_config({"preset": "quality"}, use_env=False)
@@ -126,7 +126,7 @@ def test_speed_preset_is_the_measured_benchmark_setting():
     bridge and the boundary trigger, with a reuse budget of 20 (the quality suite's policy
     ``sfi-reuse-20`` plus ``bridge_steps`` 0). So it keeps slow steps inside CUDA graphs and the
     fused slow-step scores (no layer interleaving)."""
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
 
     measured = build_config({"boundary_trigger": False, "reuse_budget": 20, "bridge_steps": 0}, use_env=False)
     cfg = build_config({"preset": "speed"}, use_env=False)

@@ -1,6 +1,6 @@
 """Real vLLM (CPU) engines with and without SFI on the embedded SmolLM2-135M-Instruct.
 
-One engine per configuration, each in its own process (see sfi_vllm.engine_job), shared by the
+One engine per configuration, each in its own process (see sfi_vllm.tools.engine_job), shared by the
 tests through session fixtures. Prompts are a few hundred tokens (vLLM CPU prefills ~70-110
 tokens/s on 2 cores). ``max_num_batched_tokens=256`` chunks the prefills, so decode rows of one
 request share batches with prefill chunks of others (mixed batches).
@@ -28,7 +28,7 @@ NO_EXCLUSIVITY = {**SMALL_BUDGET, "selector": {"use_exclusivity": False}}
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=False))
 
@@ -37,13 +37,13 @@ def model_dir():
 def prompts(model_dir):
     from transformers import AutoTokenizer
 
-    from sfi_vllm.texts import long_prompts
+    from sfi_vllm.tools.texts import long_prompts
 
     return long_prompts(AutoTokenizer.from_pretrained(model_dir), 3, 320, seed=7)
 
 
 def _job(model_dir, prompts, env=None, **kw):
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.tools.engine_job import EngineJob, run_engine_job
 
     engine = dict(ENGINE, **kw.pop("engine", {}))
     return run_engine_job(EngineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS,

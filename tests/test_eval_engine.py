@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sfi_vllm import cli
+from sfi_vllm.tools import cli
 
 
 @pytest.mark.engine

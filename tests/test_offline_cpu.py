@@ -1,4 +1,4 @@
-"""Offline use on the CPU engine: ``sfi-vllm batch``, ``python -m sfi_vllm.engine_job`` and the
+"""Offline use on the CPU engine: ``sfi-vllm batch``, ``python -m sfi_vllm.tools.engine_job`` and the
 README's Python snippet, each run as a user runs it (a fresh process, vLLM's default settings)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sfi_vllm.batch import LineError, done_ids, parse_line
+from sfi_vllm.tools.batch import LineError, done_ids, parse_line
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_SFI = {"sinks": 4, "selected_tokens": 64, "recent_window": 64, "reuse_budget": 16, "min_gap": 4}
@@ -70,7 +70,7 @@ def test_done_ids_drops_a_cut_off_last_line_and_optionally_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=False))
 
@@ -103,7 +103,7 @@ def test_batch_command(model_dir, tmp_path):
     src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     out.write_text('{"id": "done-before", "text": "from an earlier run"}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "sfi_vllm.cli", "batch", str(src), str(out), "--model", model_dir,
+        [sys.executable, "-m", "sfi_vllm.tools.cli", "batch", str(src), str(out), "--model", model_dir,
          "--max-model-len", "1024", "--max-num-seqs", "4", "--sfi", json.dumps(SMALL_SFI),
          "--engine-kwargs", '{"enforce_eager": true}'],  # no torch.compile: about 90 s less on 2 cores
         capture_output=True, text=True, timeout=400, env=_env())
@@ -129,7 +129,7 @@ def test_engine_job_module_runs_with_vllms_default_multiprocessing(model_dir, tm
     job = dict(model=model_dir, prompts=["Say hello."], max_tokens=4, attention_backend="sfi", sfi=SMALL_SFI,
                engine_kwargs=dict(dtype="float32", max_model_len=1024, max_num_seqs=2))
     (tmp_path / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.engine_job", str(tmp_path / "job.json"),
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.engine_job", str(tmp_path / "job.json"),
                            str(tmp_path / "res.json")], capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((tmp_path / "res.json").read_text())
@@ -159,7 +159,7 @@ def test_readme_python_snippet_runs_as_a_script(model_dir, tmp_path):
 
 @pytest.mark.engine
 def test_demo_ends_with_a_verdict(model_dir):
-    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "demo", "--prompts", "1", "--prompt-tokens", "400",
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.cli", "demo", "--prompts", "1", "--prompt-tokens", "400",
                            "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout

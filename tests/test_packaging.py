@@ -115,7 +115,7 @@ def test_wheel_builds_from_the_dockerfiles_copy_set(image_wheel):
     assert "sfi_vllm/plugin.py" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()
-    assert "sfi = sfi_vllm.plugin:register" in text and "sfi-vllm = sfi_vllm.cli:main" in text
+    assert "sfi = sfi_vllm.plugin:register" in text and "sfi-vllm = sfi_vllm.tools.cli:main" in text
 
 
 def test_wheel_build_has_no_setuptools_warning(image_wheel):
@@ -125,11 +125,11 @@ def test_wheel_build_has_no_setuptools_warning(image_wheel):
 
 
 def test_readme_config_table_is_current():
-    from sfi_vllm.config_table import markdown_table, readme_table
+    from sfi_vllm.tools.config_table import markdown_table, readme_table
 
     readme = (REPO / "README.md").read_text()
     assert readme_table(readme) == markdown_table(), \
-        "the README's configuration table is stale: run `python -m sfi_vllm.config_table README.md`"
+        "the README's configuration table is stale: run `python -m sfi_vllm.tools.config_table README.md`"
 
 
 def test_readme_commands_and_house_rules():
@@ -146,3 +146,21 @@ def test_readme_commands_and_house_rules():
         assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{doc} has a date"
         assert "../shared" not in text and not re.search(r"(?i)\bsession\b", text), doc
         assert not re.search(r"\bcommit [0-9a-f]{7}\b", text), f"{doc} names a commit"
+
+
+def test_the_runtime_never_imports_the_tooling():
+    """Every module of the runtime (sfi_vllm outside sfi_vllm.tools) imports without pulling in
+    sfi_vllm.tools: the evaluation, demo and batch tooling stays out of a serving process."""
+    root = Path(__file__).resolve().parents[1] / "sfi_vllm"
+    names = sorted(
+        "sfi_vllm." + ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for p in root.rglob("*.py") if "tools" not in p.relative_to(root).parts)
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name.removesuffix('.__init__'))\n"
+            "print(sorted(k for k in sys.modules if k.startswith('sfi_vllm.tools')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=root.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert len(names) > 20  # the walk found the runtime

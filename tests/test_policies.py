@@ -7,7 +7,7 @@ import torch
 from sfi_vllm.backends.common import SFILayer, make_step
 from sfi_vllm.config import build_config
 from sfi_vllm.controller import SFIController
-from sfi_vllm.policies import POLICIES, policy_overrides, working_set
+from sfi_vllm.tools.policies import POLICIES, policy_overrides, working_set
 from sfi_vllm.trigger import StepMode
 from test_attention_ref import brute_force
 from test_sfi_layer import fake_vllm_config, make_batch, plan_for

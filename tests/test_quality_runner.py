@@ -8,14 +8,14 @@ import statistics
 
 import pytest
 
-from sfi_vllm import cli
-from sfi_vllm.engine_job import load_stream
-from sfi_vllm.quality import report
-from sfi_vllm.quality.runner import (aggregate, build_flow_requests, build_requests, check_model_dir, chunk_order,
+from sfi_vllm.tools import cli
+from sfi_vllm.tools.engine_job import load_stream
+from sfi_vllm.tools.quality import report
+from sfi_vllm.tools.quality.runner import (aggregate, build_flow_requests, build_requests, check_model_dir, chunk_order,
                                      load_suite, per_request, prefix_cache_summary, rescore, resolve_dtype,
                                      save_suite)
-from sfi_vllm.request_flow import RequestFlow
-from sfi_vllm.quality.tasks import Sample
+from sfi_vllm.tools.request_flow import RequestFlow
+from sfi_vllm.tools.quality.tasks import Sample
 
 TASKS = ("passkey", "common_words")
 

@@ -1,4 +1,4 @@
-"""Tests for sfi_vllm.quality.tasks (RULER-style long-context task suite; no vLLM engine).
+"""Tests for sfi_vllm.tools.quality.tasks (RULER-style long-context task suite; no vLLM engine).
 
 Uses the prepared SmolLM2 tokenizer and the cached essay corpus (see tests/test_texts.py).
 """
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from sfi_vllm.quality.tasks import (
+from sfi_vllm.tools.quality.tasks import (
     MAX_NEW_TOKENS,
     TASKS,
     Sample,
@@ -29,7 +29,7 @@ VAR_RE = re.compile(r"VAR ([A-Z]{5}) = ([A-Z]{5}|\d{5})\.")
 def tok():
     from transformers import AutoTokenizer
 
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return AutoTokenizer.from_pretrained(prepare_model(progress=False))
 

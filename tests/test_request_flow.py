@@ -4,7 +4,7 @@ and says when to abort."""
 
 import pytest
 
-from sfi_vllm.request_flow import DRAIN_EXTRA_S, DRAIN_MARGIN, RequestFlow
+from sfi_vllm.tools.request_flow import DRAIN_EXTRA_S, DRAIN_MARGIN, RequestFlow
 
 
 class Clock:
@@ -92,8 +92,8 @@ def test_engine_flow_reuses_the_roots_prompt_and_matches_it(tmp_path):
     with its SFI statistics."""
     import json
 
-    from sfi_vllm.engine_job import EngineJob, load_stream, run_engine_job
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.engine_job import EngineJob, load_stream, run_engine_job
+    from sfi_vllm.tools.model_prep import prepare_model
 
     text = " ".join(f"Item {i} is a {c} box." for i, c in enumerate(["red", "blue", "green", "gold"] * 12))
     prompts = [text + " Which item is gold first?", text + " Name one blue item."]

@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=False))
 

@@ -48,7 +48,7 @@ def test_other_errors_are_not_ours():
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_cli_prints_one_line_per_field_without_traceback(debug):
-    cmd = [sys.executable, "-m", "sfi_vllm.cli", "config", "--sfi", '{"recent_window": 0}']
+    cmd = [sys.executable, "-m", "sfi_vllm.tools.cli", "config", "--sfi", '{"recent_window": 0}']
     proc = subprocess.run(cmd + (["--debug"] if debug else []), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "sfi.recent_window: Input should be greater than or equal to 1" in proc.stderr

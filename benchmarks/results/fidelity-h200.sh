@@ -23,7 +23,7 @@ if [ ! -f $M/config.json ]; then
     > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -30 "$OUT/convert.log"; exit 1; }
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
-python3 -m sfi_vllm.cli fidelity --model $M --contexts "$CONTEXTS" --docs "$DOCS" --tokens "$T" \
+python3 -m sfi_vllm.tools.cli fidelity --model $M --contexts "$CONTEXTS" --docs "$DOCS" --tokens "$T" \
   --policies "${POLICIES:-dense,sfi,sfi-paper,streaming,snapkv,quest}" --retentions "${RETENTIONS:-0.1,0.2}" \
   --max-num-seqs 512 --gpu-memory-utilization 0.85 \
   --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \

@@ -39,7 +39,7 @@ if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (a conve
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
 S=.gpu-data/suite
-python3 -m sfi_vllm.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
+python3 -m sfi_vllm.tools.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
   --contexts 2048,4096,8192 --samples "${SAMPLES:-120}" --first-sample "$FIRST" --no-progress \
   --policies "${POLICIES:-dense,sfi@0/0.1/0.2,sfi-paper@0.1/0.2,quest@0.2,snapkv@0.2,streaming@0.2}" --retentions "${RETENTIONS:-0,0.2}" \
   --ablations "${ABLATIONS:-sfi-no-bridge,sfi-no-follow,sfi-bridge-32,sfi-nms}" --ablation-samples "$ABL" \
@@ -51,7 +51,7 @@ if [ "$rc" = 0 ]; then
   python3 - "$OUT/$TAG" "/tmp/$TAG-raw.jsonl" <<'EOF'
 import sys
 from pathlib import Path
-from sfi_vllm.quality.report import load, markdown
+from sfi_vllm.tools.quality.report import load, markdown
 prefix, raw = sys.argv[1], sys.argv[2]
 md = markdown(load(prefix + ".jsonl"), "Quality suite on the H200", raw=load(raw))
 Path(prefix + ".md").write_text(md)

@@ -22,7 +22,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import fake_vllm_config, plan_for
@@ -102,7 +102,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     read their own inputs). ``chunk_bytes`` small: one layer per Selector launch."""
     from sfi_vllm.backends.common import make_step
     from sfi_vllm.backends.step_refresh import StepRefresh
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import plan_for
 
@@ -146,7 +146,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import plan_for

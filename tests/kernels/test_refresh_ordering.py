@@ -22,7 +22,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
-    from sfi_vllm.policies import policy_overrides
+    from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import fake_vllm_config, plan_for
 

@@ -3,7 +3,7 @@
 constraints and descriptions), so the manual cannot drift from the code.
 
     sfi-vllm config --markdown             # print the table
-    python -m sfi_vllm.config_table README.md   # rewrite the table between the README's markers
+    python -m sfi_vllm.tools.config_table README.md   # rewrite the table between the README's markers
 
 ``tests/test_packaging.py`` fails when the README's table differs from :func:`markdown_table`.
 """
@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-BEGIN = "<!-- config-table:begin (generated: python -m sfi_vllm.config_table README.md) -->"
+BEGIN = "<!-- config-table:begin (generated: python -m sfi_vllm.tools.config_table README.md) -->"
 END = "<!-- config-table:end -->"
 
 

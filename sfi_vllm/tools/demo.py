@@ -3,7 +3,7 @@ embedded SmolLM2-135M-Instruct, outputs side by side, and a verdict per request.
 
 One engine runs three phases (each request's attention is chosen per request, as the quality tools
 do): dense attention (the ``dense`` policy: vLLM's own kernel at every step), SFI free-running, and
-SFI teacher-forced on dense's tokens (:mod:`sfi_vllm.quality.forcing`). The teacher-forced phase
+SFI teacher-forced on dense's tokens (:mod:`sfi_vllm.tools.quality.forcing`). The teacher-forced phase
 gives the agreement figure: at each decode step SFI sees exactly dense's history, and the step
 agrees when SFI's most likely next token is dense's token. Free-running outputs part at the first
 disagreement and then follow different histories, so "identical outputs" says little about
@@ -36,7 +36,7 @@ SLOW_REASONS = {"first_decode": "first step after the prompt", "boundary": "sent
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token, or None for identical generations."""
-    from sfi_vllm.engine_job import common_prefix_len
+    from sfi_vllm.tools.engine_job import common_prefix_len
 
     return None if a == b else common_prefix_len(a, b)
 
@@ -73,14 +73,14 @@ def format_stats(st: dict[str, Any]) -> str:
 
 
 def gpu_result_link() -> str:
-    path = Path(__file__).resolve().parents[1] / GPU_RESULT_FILE
+    path = Path(__file__).resolve().parents[2] / GPU_RESULT_FILE
     return str(path) if path.exists() else GPU_RESULT_FILE
 
 
 def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 96,
              sfi: dict[str, Any] | None = None, seed: int = 0, json_out: str | None = None,
              cache_dir: str | None = None) -> dict[str, Any]:
-    from sfi_vllm.batch import Request, engine_env_for_this_process, run_requests
+    from sfi_vllm.tools.batch import Request, engine_env_for_this_process, run_requests
     from sfi_vllm.config import build_config
 
     sfi_cfg = dict(DEMO_SFI if sfi is None else sfi)
@@ -92,10 +92,10 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from sfi_vllm.engine_job import CPU_DTYPE
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.quality.forcing import FORCE_PROCESSOR, collect
-    from sfi_vllm.texts import long_prompts
+    from sfi_vllm.tools.engine_job import CPU_DTYPE
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.quality.forcing import FORCE_PROCESSOR, collect
+    from sfi_vllm.tools.texts import long_prompts
 
     say = lambda msg: print(f"[sfi-vllm demo] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say("preparing SmolLM2-135M-Instruct")

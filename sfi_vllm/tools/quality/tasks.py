@@ -2,7 +2,7 @@
 
 Seven synthetic tasks, generated deterministically from a seed and sized in tokens of a
 given tokenizer, with no network at run time (the haystack text is the Paul Graham essay
-corpus of :mod:`sfi_vllm.texts`):
+corpus of :mod:`sfi_vllm.tools.texts`):
 
 =====================  ===========  ==========================================================
 task                   kind         what the prompt holds / asks
@@ -42,7 +42,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from sfi_vllm.texts import _token_counter
+from sfi_vllm.tools.texts import _token_counter
 
 __all__ = [
     "Sample",

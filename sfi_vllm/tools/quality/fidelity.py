@@ -1,11 +1,11 @@
 """``sfi-vllm fidelity``: teacher-forced long-generation fidelity of each policy against dense.
 
-For every document (a long essay prompt, :func:`sfi_vllm.texts.long_prompts`) one vLLM engine with
+For every document (a long essay prompt, :func:`sfi_vllm.tools.texts.long_prompts`) one vLLM engine with
 the SFI backend runs, in phases:
 
 0. dense, free-running greedy: the dense continuation ``y_0 .. y_T`` (``T + 1`` tokens: ``y_0`` is
    predicted from the prefill, ``y_1 .. y_T`` by ``T`` decode steps);
-1. dense again, *teacher-forced* on ``y`` (:mod:`sfi_vllm.quality.forcing`): its raw next-token
+1. dense again, *teacher-forced* on ``y`` (:mod:`sfi_vllm.tools.quality.forcing`): its raw next-token
    distribution at every step is the reference ``p_dense(. | prompt, y_<s)``;
 2. every policy (``dense`` included, as a run-to-run check) at every retention, teacher-forced on
    ``y``: at step ``s`` the policy's own distribution ``p_pol(. | prompt, y_<s)`` is compared with
@@ -44,7 +44,7 @@ import statistics
 import time
 from typing import Any
 
-from sfi_vllm.policies import policy_overrides
+from sfi_vllm.tools.policies import policy_overrides
 
 DEFAULT_POLICIES = ("dense", "sfi", "sfi-paper", "streaming", "snapkv", "quest")
 DEFAULT_INSTRUCTION = "Summarize the text above in detail, section by section."
@@ -52,7 +52,7 @@ TEMPLATE_ALLOWANCE = 64  # instruction + chat template tokens left out of the do
 KL_METHOD = ("KL(dense || policy) in nats over the full vocabulary, float64, from the raw logits "
              "of the teacher-forced dense run and the teacher-forced policy run at the same step; "
              "mean over all decode steps of all documents")
-COLLECT = "sfi_vllm.quality.forcing:collect"
+COLLECT = "sfi_vllm.tools.quality.forcing:collect"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -139,7 +139,7 @@ def raw_check(steps: list[dict], logprobs: list[dict[str, float]] | None) -> int
 
 def per_request(keys: list[tuple], res: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
     """One record per teacher-forced or free-running request (``--raw``)."""
-    from sfi_vllm.engine_job import common_prefix_len
+    from sfi_vllm.tools.engine_job import common_prefix_len
 
     coll = res["collected"][COLLECT]
     if coll["missing_ref"]:
@@ -325,12 +325,12 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
                  gpu_memory_utilization: float | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, run_engine_job
-    from sfi_vllm.model_prep import prepare_model
-    from sfi_vllm.quality.forcing import FORCE_PROCESSOR
-    from sfi_vllm.texts import long_prompts
+    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, run_engine_job
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.quality.forcing import FORCE_PROCESSOR
+    from sfi_vllm.tools.texts import long_prompts
 
-    from sfi_vllm.quality.runner import check_model_dir, resolve_dtype
+    from sfi_vllm.tools.quality.runner import check_model_dir, resolve_dtype
 
     model = check_model_dir(model) if model else str(prepare_model(progress=False))
     dtype = resolve_dtype(dtype)

@@ -23,7 +23,7 @@ Forced tokens travel through decode steps (the model's KV cache and the SFI cont
 sampled tokens), never through the prompt: prefill stays the prompt alone.
 
 The records live in this module, in the process that runs the model: the engine must run in
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as :mod:`sfi_vllm.engine_job` does);
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as :mod:`sfi_vllm.tools.engine_job` does);
 :func:`collect` returns them.
 """
 
@@ -36,7 +36,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-FORCE_PROCESSOR = "sfi_vllm.quality.forcing:ForceTokens"
+FORCE_PROCESSOR = "sfi_vllm.tools.quality.forcing:ForceTokens"
 
 
 @dataclass

@@ -5,7 +5,7 @@ graphs, our controller), and runs in-process inside it (``VLLM_ENABLE_V1_MULTIPR
 the worker's SFI statistics can be read directly. Used by ``sfi-vllm demo``, the tests and the
 evaluation runner.
 
-    python -m sfi_vllm.engine_job JOB.json RESULT.json
+    python -m sfi_vllm.tools.engine_job JOB.json RESULT.json
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class EngineJob:
     # as "logprobs": [{token id: logprob}, ...]), "extra_args" (dict, merged into
     # SamplingParams.extra_args next to "sfi"), "force_from" (index of a request of an earlier
     # phase: its output token ids become extra_args["force"]["tokens"], see
-    # sfi_vllm.quality.forcing).
+    # sfi_vllm.tools.quality.forcing).
     requests: list[dict[str, Any]] | None = None
     progress: bool = False  # vLLM's own progress bar (stderr)
     # "module:function" names called without arguments after generation, in the engine's process;
-    # their JSON-able results are returned under "collected" (e.g. sfi_vllm.quality.forcing:collect)
+    # their JSON-able results are returned under "collected" (e.g. sfi_vllm.tools.quality.forcing:collect)
     collect: list[str] = field(default_factory=list)
     # Long runs (``requests`` only): consecutive phases form groups of ``phase_group`` phases
     # (e.g. 2: a dense phase and the phase that reuses its prefix-cached prompts). With
@@ -80,7 +80,7 @@ class EngineJob:
     phase_group: int = 1
     time_limit_s: float | None = None
     stream_out: str | None = None
-    # Flow instead of phases (``requests`` only; sfi_vllm.request_flow): a request with "after": j
+    # Flow instead of phases (``requests`` only; sfi_vllm.tools.request_flow): a request with "after": j
     # is handed to the engine once request j has finished, with j's prompt tokens as its prompt
     # (it needs no "prompt" of its own: the chat template and the tokenizer run once per root); at
     # most ``max_open`` groups (a request without "after" and those waiting for it) are open at a
@@ -220,14 +220,14 @@ def _worker_sfi_info(worker: Any) -> dict[str, Any] | None:
 
 
 def _run_flow(llm: Any, job: EngineJob, flow_stats: dict[str, Any], flow_info: dict[str, Any]) -> tuple[list, int]:
-    """Run ``job.requests`` as a :class:`sfi_vllm.request_flow.RequestFlow`: outputs in request order
+    """Run ``job.requests`` as a :class:`sfi_vllm.tools.request_flow.RequestFlow`: outputs in request order
     (None: not run or aborted) and how many requests did not run. ``flow_stats`` receives each
     finished request's SFI statistics, keyed by its (external) request id; ``flow_info`` facts
     about the run."""
     from vllm import SamplingParams
 
     from sfi_vllm.controller import current_controller, external_request_id
-    from sfi_vllm.request_flow import RequestFlow
+    from sfi_vllm.tools.request_flow import RequestFlow
 
     reqs = job.requests or []
     flow = RequestFlow([r.get("after") for r in reqs], job.max_open, job.time_limit_s)
@@ -424,7 +424,7 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
         full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         log = Path(tmp) / "log.txt"
         with open(log, "w") as logf:
-            proc = subprocess.run([sys.executable, "-m", "sfi_vllm.engine_job", str(src), str(dst)],
+            proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.engine_job", str(src), str(dst)],
                                   env=full_env, stdout=logf if quiet else None,
                                   stderr=subprocess.STDOUT if quiet else None, timeout=timeout)
         if proc.returncode != 0 or not dst.exists():

@@ -13,7 +13,7 @@ scored on the same samples). Every finished phase is appended to a stream file, 
 killed or crashes is still scored on its finished chunks. ``ablations`` with ``ablation_samples``
 M run those policies on samples of index < M only (fewer samples for secondary policies).
 
-Flow (``flow``, :mod:`sfi_vllm.request_flow`): instead of phases, every sample's other requests
+Flow (``flow``, :mod:`sfi_vllm.tools.request_flow`): instead of phases, every sample's other requests
 wait for its dense request only (and take its prompt tokens: each prompt is rendered and tokenized
 once), and at most ``max_open`` samples are open at a time, so the batch stays full (no phase ends
 with a few long requests running alone) and prompts stay cached. With
@@ -43,13 +43,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sfi_vllm.policies import POLICIES, policy_overrides
+from sfi_vllm.tools.policies import POLICIES, policy_overrides
 
 
 def resolve_dtype(dtype: str | None) -> str:
     """``auto``/None: bfloat16 on CUDA (the checkpoint's dtype), float32 on CPU (see
-    :data:`sfi_vllm.engine_job.CPU_DTYPE`); anything else is passed to vLLM as given."""
-    from sfi_vllm.engine_job import CPU_DTYPE
+    :data:`sfi_vllm.tools.engine_job.CPU_DTYPE`); anything else is passed to vLLM as given."""
+    from sfi_vllm.tools.engine_job import CPU_DTYPE
 
     if dtype and dtype != "auto":
         return dtype
@@ -84,7 +84,7 @@ def save_suite(samples, path: str | os.PathLike) -> None:
 def load_suite(path: str | os.PathLike, tasks=None, contexts=None, n: int | None = None):
     """Samples from a :func:`save_suite` file: those of ``tasks`` and ``contexts`` (None: all)
     with index < ``n`` (None: all)."""
-    from sfi_vllm.quality.tasks import Sample
+    from sfi_vllm.tools.quality.tasks import Sample
 
     out = []
     with _open(path, "r") as f:
@@ -120,7 +120,7 @@ def policy_retentions(policies, retentions) -> list[tuple[str, list[float]]]:
 
 def build_requests(samples, policies, retentions, order: list[int], chunk_samples: int | None = None,
                    ablations=(), ablation_samples: int | None = None):
-    """Requests (for :class:`sfi_vllm.engine_job.EngineJob`) and their keys ``(sample, policy,
+    """Requests (for :class:`sfi_vllm.tools.engine_job.EngineJob`) and their keys ``(sample, policy,
     retention)``: per chunk of ``order``, a dense phase, then every other policy's phase."""
     plan = policy_retentions(list(policies) + list(ablations), retentions)
     ablations = {name for name, _ in policy_retentions(ablations, retentions)}
@@ -188,8 +188,8 @@ def prefix_cache_summary(keys, res) -> str | None:
 def per_request(samples, keys, res) -> tuple[list[dict], int]:
     """Per-request records for the samples whose every request has an output; and how many
     samples were dropped for missing outputs."""
-    from sfi_vllm.engine_job import common_prefix_len
-    from sfi_vllm.quality.tasks import score
+    from sfi_vllm.tools.engine_job import common_prefix_len
+    from sfi_vllm.tools.quality.tasks import score
 
     outs = res["outputs"]
     missing = {si for i, (si, _, _) in enumerate(keys) if outs[i] is None}
@@ -277,12 +277,12 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
              flow: bool = False, max_open: int | None = None, first_sample: int = 0) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.engine_job import EngineJob, cpu_engine_env, load_stream, run_engine_job
-    from sfi_vllm.quality.tasks import TASKS, make_suite
+    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, load_stream, run_engine_job
+    from sfi_vllm.tools.quality.tasks import TASKS, make_suite
 
     tasks = tuple(tasks or TASKS)
     if model is None:
-        from sfi_vllm.model_prep import prepare_model
+        from sfi_vllm.tools.model_prep import prepare_model
 
         model = str(prepare_model(progress=False))
     else:

@@ -358,12 +358,12 @@ def _peek_id(text: str, lineno: int) -> str:
 def engine_env_for_this_process() -> None:
     """Environment an in-process engine needs, set before vLLM is imported: the engine core in this
     process (so the controller's statistics can be read), and on a CPU machine the thread binding
-    and KV-cache size of :func:`sfi_vllm.engine_job.cpu_engine_env` unless already set."""
+    and KV-cache size of :func:`sfi_vllm.tools.engine_job.cpu_engine_env` unless already set."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
     if not torch.cuda.is_available():
-        from sfi_vllm.engine_job import cpu_engine_env
+        from sfi_vllm.tools.engine_job import cpu_engine_env
 
         for k, v in cpu_engine_env().items():
             os.environ.setdefault(k, v)

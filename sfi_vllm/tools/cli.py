@@ -8,7 +8,7 @@ import sys
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
     return 0
@@ -31,7 +31,7 @@ class UsageError(ValueError):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from sfi_vllm.demo import DEMO_SFI, run_demo
+    from sfi_vllm.tools.demo import DEMO_SFI, run_demo
 
     sfi = dict(DEMO_SFI)
     if args.sfi:
@@ -47,7 +47,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from sfi_vllm.config import build_config
 
     if args.markdown:
-        from sfi_vllm.config_table import markdown_table
+        from sfi_vllm.tools.config_table import markdown_table
 
         print(markdown_table(), end="")
         return 0
@@ -57,7 +57,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from sfi_vllm.batch import engine_env_for_this_process, run_batch
+    from sfi_vllm.tools.batch import engine_env_for_this_process, run_batch
     from sfi_vllm.config import build_config
 
     engine_sfi = _json_arg(args.sfi, "--sfi")
@@ -93,7 +93,7 @@ def _model_dir(given: str | None, command: str) -> str:
     """The model to load: as given (a directory or a model name vLLM can fetch), else the embedded one."""
     if given is not None:
         return given
-    from sfi_vllm.model_prep import prepare_model
+    from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=True))
 
@@ -103,8 +103,8 @@ def _engine_kwargs(text: str | None) -> dict:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from sfi_vllm.quality.report import write_report
-    from sfi_vllm.quality.runner import check_model_dir, run_eval
+    from sfi_vllm.tools.quality.report import write_report
+    from sfi_vllm.tools.quality.runner import check_model_dir, run_eval
 
     if args.model is not None:
         try:
@@ -130,8 +130,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_suite(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from sfi_vllm.quality.runner import check_model_dir, save_suite
-    from sfi_vllm.quality.tasks import TASKS, make_suite
+    from sfi_vllm.tools.quality.runner import check_model_dir, save_suite
+    from sfi_vllm.tools.quality.tasks import TASKS, make_suite
 
     if args.model is not None:
         try:
@@ -140,7 +140,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
             print(f"sfi-vllm suite: {e}", file=sys.stderr)
             return 2
     else:
-        from sfi_vllm.model_prep import prepare_model
+        from sfi_vllm.tools.model_prep import prepare_model
 
         model = str(prepare_model(progress=False))
     tok = AutoTokenizer.from_pretrained(model)
@@ -154,10 +154,10 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 def _cmd_fidelity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sfi_vllm.quality.fidelity import load_raw, markdown, paired_top1, rows_from_raw, run_fidelity
+    from sfi_vllm.tools.quality.fidelity import load_raw, markdown, paired_top1, rows_from_raw, run_fidelity
 
     if args.model is not None and not args.from_raw:
-        from sfi_vllm.quality.runner import check_model_dir
+        from sfi_vllm.tools.quality.runner import check_model_dir
 
         try:
             check_model_dir(args.model)
@@ -185,7 +185,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def _cmd_rescore(args: argparse.Namespace) -> int:
-    from sfi_vllm.quality.runner import rescore
+    from sfi_vllm.tools.quality.runner import rescore
 
     rows = rescore(args.raw.split(","), args.out, args.merged_raw)
     also = f" and the merged records to {args.merged_raw}" if args.merged_raw else ""
@@ -194,7 +194,7 @@ def _cmd_rescore(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from sfi_vllm.quality.report import write_report
+    from sfi_vllm.tools.quality.report import write_report
 
     write_report(args.jsonl, args.prefix, args.title, args.command, raw=args.raw)
     return 0
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache-dir", default=None)
     demo.set_defaults(func=_cmd_demo, in_process_engine=True)
 
-    from sfi_vllm.policies import POLICIES
+    from sfi_vllm.tools.policies import POLICIES
 
     ev = sub.add_parser("eval", help="the offline long-context suite through vLLM, per policy and budget")
     ev.add_argument("--policies", default=",".join(POLICIES),
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--out", required=True, help="JSON lines; .xz: compressed")
     su.set_defaults(func=_cmd_suite)
 
-    from sfi_vllm.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
+    from sfi_vllm.tools.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
 
     fid = sub.add_parser("fidelity", help="teacher-forced top-1 agreement and KL of each policy against dense")
     fid.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="dense is always included")
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ba = sub.add_parser("batch", help="generate for every line of a JSON-lines file, results streamed to another",
                         description="Offline batch generation through one vLLM engine; the input format is "
-                                    "in `python -c 'import sfi_vllm.batch; help(sfi_vllm.batch)'` and the README.")
+                                    "in `python -c 'import sfi_vllm.tools.batch; help(sfi_vllm.tools.batch)'` and the README.")
     ba.add_argument("input", metavar="IN.jsonl")
     ba.add_argument("output", metavar="OUT.jsonl", help="appended to; ids already in it are skipped (resume)")
     ba.add_argument("--attention-backend", default="sfi", help="sfi (default), or dense: vLLM's own backend")
