@@ -164,3 +164,22 @@ def test_the_runtime_never_imports_the_tooling():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert len(names) > 20  # the walk found the runtime
+
+
+def test_old_tooling_import_paths_still_work():
+    """Code written against the tooling's old paths (``sfi_vllm.model_prep``, ``python -m
+    sfi_vllm.cli``) gets the moved module itself, with a DeprecationWarning."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from sfi_vllm.model_prep import prepare_model
+        import sfi_vllm.quality.tasks as old_tasks
+    import sfi_vllm.tools.model_prep as model_prep
+    import sfi_vllm.tools.quality.tasks as tasks
+
+    assert prepare_model is model_prep.prepare_model and old_tasks is tasks
+    assert any("moved to sfi_vllm.tools.model_prep" in str(w.message) for w in caught)
+    out = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "--help"], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and "prepare-model" in out.stdout, out.stderr[-2000:]
