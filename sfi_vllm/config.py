@@ -142,11 +142,11 @@ class SFIConfig(BaseModel):
     reuse_stagger: bool = Field(
         False,
         description="spread the reuse-budget phase over requests: the first reuse interval after a "
-        "request's first selection is shortened by a per-request offset in [0, reuse_budget) derived "
-        "from its context length, so that requests that started together do not all run their "
-        "budget's slow step on the same decode step (later intervals are the full budget). Off by "
-        "default: on the H200 it made decoding slower (a step with one slow row pays much of the "
-        "refresh's fixed cost; benchmarks/results/e2e-h200-default.md)",
+        "request's first selection is shortened by an offset in [0, reuse_budget) derived from its "
+        "context length at that selection, so that requests of different lengths that started "
+        "together do not all run their budget's slow step on the same decode step (requests of equal "
+        "length keep one phase; later intervals are the full budget). Off by default: not shown to "
+        "be faster on the H200, where it was timed cold only (benchmarks/results/e2e-h200-default.md)",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(

@@ -21,18 +21,27 @@ MOVED = ("batch", "cli", "config_table", "demo", "engine_job", "model_prep", "po
 
 
 class _AliasLoader(importlib.abc.Loader):
-    def __init__(self, new_name: str) -> None:
-        self.new_name = new_name
+    """Binds the old name to the module at its new place. ``create_module`` leaves Python a
+    placeholder (which gets the alias spec); ``exec_module`` puts the real module in its place in
+    ``sys.modules``, which is what the import returns, so the real module keeps its own spec."""
+
+    def __init__(self, old_name: str, new_name: str) -> None:
+        self.old_name, self.new_name = old_name, new_name
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {self.new_name}", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(self.new_name)
+        return None  # a plain placeholder module
 
-    def exec_module(self, module) -> None:  # the module ran at its new place
-        pass
+    def exec_module(self, module) -> None:
+        warnings.warn(f"{self.old_name} moved to {self.new_name}", DeprecationWarning, stacklevel=2)
+        sys.modules[self.old_name] = importlib.import_module(self.new_name)
 
-    def get_code(self, fullname: str):  # ``python -m <old name>`` (runpy) runs the new module's code
-        return importlib.util.find_spec(self.new_name).loader.get_code(self.new_name)
+    def get_code(self, fullname: str):
+        """``python -m <old name>`` (runpy): the code of the module at its new place."""
+        warnings.warn(f"{self.old_name} moved to {self.new_name}", DeprecationWarning, stacklevel=2)
+        spec = importlib.util.find_spec(self.new_name)
+        if spec is None or spec.loader is None or isinstance(spec.loader, _AliasLoader):
+            raise ImportError(f"no code for {self.new_name}")
+        return spec.loader.get_code(self.new_name)
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
@@ -44,7 +53,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         spec = importlib.util.find_spec(new_name)
         if spec is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(new_name),
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(fullname, new_name),
                                                is_package=spec.submodule_search_locations is not None)
 
 

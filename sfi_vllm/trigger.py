@@ -7,7 +7,8 @@ A decode step of a sequence is
   - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range),
   - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step (with
     ``reuse_stagger``, the first interval after a request's first selection is shorter by an offset
-    of its own, :func:`reuse_offset`, so that requests that start together refresh on different steps),
+    derived from its context length, :func:`reuse_offset`, so that requests of different lengths
+    that start together refresh on different steps; equal lengths share a phase),
   - ``BOUNDARY``: a sentence just ended, and at least ``min_gap`` fast steps have run since the
     last slow step. With ``boundary_fire="next_token"`` (the authors' choice) it fires on the first
     non-whitespace token after the ender; with ``"at_ender"`` on the step whose input is the ender;

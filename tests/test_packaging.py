@@ -118,6 +118,14 @@ def test_wheel_builds_from_the_dockerfiles_copy_set(image_wheel):
     assert "sfi = sfi_vllm.plugin:register" in text and "sfi-vllm = sfi_vllm.tools.cli:main" in text
 
 
+def test_wheel_holds_the_tooling_and_the_old_paths(image_wheel):
+    wheel, _ = image_wheel
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("sfi_vllm/moved_modules.py", "sfi_vllm/tools/__init__.py", "sfi_vllm/tools/cli.py",
+              "sfi_vllm/tools/quality/tasks.py", "sfi_vllm_kernels/fast_decode.py"):
+        assert f in names, f
+
+
 def test_wheel_build_has_no_setuptools_warning(image_wheel):
     _, log = image_wheel
     for marker in ("Warning:", "would be ignored", "!!"):
@@ -179,6 +187,12 @@ def test_old_tooling_import_paths_still_work():
     import sfi_vllm.tools.quality.tasks as tasks
 
     assert prepare_model is model_prep.prepare_model and old_tasks is tasks
+    import importlib
+    import importlib.util
+
+    assert model_prep.__spec__.name == "sfi_vllm.tools.model_prep"  # its own spec, not the alias's
+    assert type(importlib.util.find_spec("sfi_vllm.tools.model_prep").loader).__name__ == "SourceFileLoader"
+    assert importlib.reload(model_prep).__name__ == "sfi_vllm.tools.model_prep"
     assert any("moved to sfi_vllm.tools.model_prep" in str(w.message) for w in caught)
     out = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "--help"], capture_output=True, text=True,
                          timeout=300, cwd=Path(__file__).resolve().parents[1])

@@ -92,7 +92,9 @@ class SlowStepSelection:
         self.fused_max_frame = fused_max_frame
         self.capture_after = capture_after
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._uses: OrderedDict[tuple, int] = OrderedDict()  # per shape, newest MAX_COUNTED_SHAPES
+        # per shape: (steps that used it, the last such step); newest MAX_COUNTED_SHAPES. A shape
+        # that is evicted is forgotten, so one that keeps being evicted by others stays eager
+        self._uses: OrderedDict[tuple, tuple[int, int | None]] = OrderedDict()
         self.captures = 0
         self.eager_runs = 0
 
