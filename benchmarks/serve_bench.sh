@@ -13,7 +13,7 @@
 # Settings through the environment: SFI_ARGS (the SFI server's --additional-config JSON, default
 # the speed preset), PROMPTS, RATE, IN_LEN, OUT_LEN, RANGE, PASSES (benchmark runs per server: the
 # second pass of the same load meets the kernels compiled and the graphs captured by the first;
-# default 1 for qwen, 2 for smol). Writes to $OUT: serve-bench-<set>-<mode>.json
+# default 1 for qwen, 2 for smol), MODES (default "dense sfi"; "sfi" reruns only the SFI server). Writes to $OUT: serve-bench-<set>-<mode>.json
 # (vllm bench serve's result, per-request details included), server logs, the sfi_ lines of
 # /metrics after the SFI run.
 set -uo pipefail
@@ -45,7 +45,7 @@ wait_health() {
   return 1
 }
 
-for MODE in dense sfi; do
+for MODE in ${MODES:-dense sfi}; do
   LOG="$OUT/serve-bench-$SET-$MODE.log"
   EXTRA=()
   if [ "$MODE" = sfi ]; then

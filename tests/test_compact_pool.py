@@ -93,3 +93,13 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     p = step(["b", "c", "e"])
     assert p.modes[1] == StepMode.DENSE and p.modes[2] == StepMode.SLOW  # c stays dense until it ends
     assert ctl.slot_of["e"] < 2 and metric._value.get() == before + 1
+
+
+def test_the_shared_fake_engine_config_sizes_a_pool():
+    """The GPU kernel tests build their controllers from ``fake_vllm_config``; on CUDA the controller
+    sizes a compact pool from it, the path a CPU run with ``compact_memory_gib`` takes too."""
+    from test_sfi_layer import fake_vllm_config
+
+    sfi = {"compact_memory_gib": 1.0, "bridge_steps": 0, "boundary_token_ids": [7]}
+    ctl = SFIController(build_config(sfi, use_env=False), fake_vllm_config(sfi, max_model_len=8192))
+    assert ctl.compact_slots == 8  # 1 GiB holds far more than max_num_seqs sets of one small layer

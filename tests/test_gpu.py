@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def test_sfi_layer_on_cuda_matches_brute_force(dtype, hq, hkv, d):
     cfg = {"sinks": 4, "recent_window": 64, "selected_tokens": 48, "min_gap": 0,
            "boundary_token_ids": [7]}
-    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg))
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_model_len=8192))
     layer = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
     seq_lens, qlens = [900, 300, 2000], [1, 1, 1]
     paged_cpu, cam, q, ks, vs = make_batch("flash", 16, seq_lens, qlens, hq=hq, hkv=hkv, d=d)

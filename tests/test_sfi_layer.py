@@ -17,12 +17,23 @@ from sfi_vllm.trigger import StepMode
 from test_attention_ref import brute_force
 
 
-def fake_vllm_config(sfi: dict, max_num_seqs: int = 8):
+def fake_vllm_config(sfi: dict, max_num_seqs: int = 8, max_model_len: int | None = None, kv_heads: int = 8,
+                     head_size: int = 128):
+    """The parts of a VllmConfig the controller reads. ``max_model_len`` and the model shape size the
+    compact-set pool, which the controller builds on CUDA or with ``compact_memory_gib`` (the
+    defaults: the largest head shape the tests use); without ``max_model_len`` requests are not
+    checked against a longest context."""
     sfi = {"boundary_token_ids": [7], **sfi}
+    model = dict(get_vocab_size=lambda: 16, skip_tokenizer_init=True, dtype=torch.bfloat16,
+                 get_num_layers=lambda parallel: 1, get_num_kv_heads=lambda parallel: kv_heads,
+                 get_head_size=lambda: head_size)
+    if max_model_len is not None:
+        model["max_model_len"] = max_model_len
     return SimpleNamespace(
         additional_config={"sfi": sfi},
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        model_config=SimpleNamespace(get_vocab_size=lambda: 16, skip_tokenizer_init=True),
+        model_config=SimpleNamespace(**model),
+        parallel_config=SimpleNamespace(rank=0),
     )
 
 

@@ -72,7 +72,7 @@ def refresh_stacks(configs, hq, hkv, d, dtype, device, layers):
 
     ctls, stacks = [], []
     for over in configs:
-        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+        ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
         cap = ctl.cfg.compact_capacity(8192)
         stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
                                 packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))

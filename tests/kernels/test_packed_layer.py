@@ -30,7 +30,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     n = len(seq_lens)
     over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
             **policy_overrides(policy, retention, max(seq_lens))}
-    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats

@@ -24,7 +24,7 @@ def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
     n = len(seq_lens)
     over = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("quest", retention, 3000)}
-    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over))
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
     fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
