@@ -12,5 +12,8 @@ COPY pyproject.toml README.md /opt/sfi-vllm/
 COPY sfi_vllm /opt/sfi-vllm/sfi_vllm
 COPY configs /opt/sfi-vllm/configs
 COPY kernels /opt/sfi-vllm/kernels
-RUN pip install --no-cache-dir /opt/sfi-vllm
+RUN pip install --no-cache-dir /opt/sfi-vllm && mkdir -p /tmp/sfi-metrics
+# SFI's counters reach /metrics through prometheus_client's multiprocess mode, which needs an empty
+# directory shared by the server's processes: a new container starts with this one empty.
+ENV PROMETHEUS_MULTIPROC_DIR=/tmp/sfi-metrics
 ENTRYPOINT ["vllm", "serve", "--attention-backend", "sfi"]

@@ -1,7 +1,7 @@
 """SFIConfig: the one validated configuration object for every SFI knob.
 
 Sources, later ones overriding earlier ones field by field:
-  1. the preset named by ``preset`` (``configs/<name>.yaml``: quality, balanced, speed);
+  1. the preset named by ``preset`` (``configs/<name>.yaml``: balanced, speed, paper);
   2. a YAML file named by the environment variable ``SFI_CONFIG``;
   3. the ``sfi`` key of vLLM's ``--additional-config`` (or ``LLM(additional_config=...)``).
 
@@ -20,7 +20,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
-PRESETS = ("quality", "balanced", "speed", "paper")
+PRESETS = ("balanced", "speed", "paper")
+# presets that were removed, with what to set instead
+REMOVED_PRESETS = {
+    "quality": 'it was the default with a 32-step dense bridge, whose quality measured level with the '
+               'default\'s and whose speed was never measured; set "bridge_steps": 32 instead',
+}
 ENV_CONFIG_FILE = "SFI_CONFIG"
 ADDITIONAL_CONFIG_KEY = "sfi"
 # fused_scores_tokens "auto": the most the fused score buffers may take, in bytes and as a share of
@@ -81,7 +86,7 @@ class SFIConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: Literal["quality", "balanced", "speed", "paper"] | None = Field(
+    preset: Literal["balanced", "speed", "paper"] | None = Field(
         None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
     )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
@@ -305,9 +310,17 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def unknown_preset(field: str, name: Any) -> str:
+    """The error text for a preset name that is not one of :data:`PRESETS`."""
+    text = f"{field}: unknown preset {name!r}; allowed: {', '.join(PRESETS)}"
+    if isinstance(name, str) and name in REMOVED_PRESETS:
+        text += f" ({name!r} was removed: {REMOVED_PRESETS[name]})"
+    return text
+
+
 def preset_values(name: str) -> dict[str, Any]:
     if name not in PRESETS:
-        raise SFIConfigError(f"sfi.preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        raise SFIConfigError(unknown_preset("sfi.preset", name))
     return _read_yaml(PRESET_DIR / f"{name}.yaml", f"preset {name!r}")
 
 
@@ -366,8 +379,7 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
     merged: dict[str, Any] = {}
     if preset is not None:
         if not isinstance(preset, str) or preset not in PRESETS:
-            error = SFIConfigError(f"{(field_names or {}).get(('preset',), 'sfi.preset')}: unknown preset "
-                                   f"{preset!r}; allowed: {', '.join(PRESETS)}")
+            error = SFIConfigError(unknown_preset((field_names or {}).get(("preset",), "sfi.preset"), preset))
             error.locs = [("preset",)]
             raise error
         merged.update(preset_values(preset))

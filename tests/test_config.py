@@ -89,10 +89,10 @@ def test_fused_scores_tokens_auto_is_bounded_by_bytes_gpu_share_and_the_longest_
 
 def test_from_vllm_additional_config():
     class V:
-        additional_config = {"sfi": {"preset": "quality", "reuse_budget": 20}}
+        additional_config = {"sfi": {"preset": "speed", "reuse_budget": 30}}
 
     cfg = config_from_vllm(V())
-    assert cfg.bridge_steps == 32 and cfg.reuse_budget == 20
+    assert cfg.bridge_steps == 0 and not cfg.boundary_trigger and cfg.reuse_budget == 30
 
     class Bad:
         additional_config = {"sfi": [1, 2]}
@@ -112,13 +112,11 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
     assert refresh_per_step("per_step", [131072] * 6) and not refresh_per_step("per_layer", [10])
 
 
-def test_quality_preset_is_the_measured_bridge_32_policy():
-    """The quality preset is what the quality suite measured as ``sfi-bridge-32``."""
-    from sfi_vllm.tools.policies import policy_overrides
-
-    measured = build_config(policy_overrides("sfi-bridge-32", 0, 4096), use_env=False)
-    cfg = build_config({"preset": "quality"}, use_env=False)
-    assert cfg.model_dump(exclude={"preset"}) == measured.model_dump(exclude={"preset"})
+def test_a_removed_preset_says_what_to_set_instead():
+    with pytest.raises(SFIConfigError, match=r"allowed: balanced, speed, paper \('quality' was removed.*bridge_steps"):
+        build_config({"preset": "quality"}, use_env=False)
+    with pytest.raises(SFIConfigError, match="unknown preset 'fastest'; allowed: balanced, speed, paper$"):
+        build_config({"preset": "fastest"}, use_env=False)
 
 
 def test_speed_preset_is_the_measured_benchmark_setting():

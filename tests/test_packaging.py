@@ -109,7 +109,7 @@ def image_wheel(tmp_path_factory) -> tuple[Path, str]:
 def test_wheel_builds_from_the_dockerfiles_copy_set(image_wheel):
     wheel, _ = image_wheel
     names = set(zipfile.ZipFile(wheel).namelist())
-    for preset in ("quality", "balanced", "speed"):
+    for preset in ("balanced", "speed", "paper"):
         assert f"sfi_vllm/presets/{preset}.yaml" in names
     assert "sfi_vllm_kernels/fast_decode.py" in names
     assert "sfi_vllm/plugin.py" in names

@@ -151,7 +151,7 @@ BAD_REQUESTS = [
     ({"sfi_stats_file": "/tmp/x.jsonl"}, "vllm_xargs.sfi_stats_file", "engine-wide setting"),
     ({"sfi_selector_alpha": 100}, "vllm_xargs.sfi_selector_alpha", "0.0 < value <= 4.0"),
     ({"sfi_min_gap": 100}, "vllm_xargs.sfi_min_gap", "must be <= reuse_budget"),
-    ({"sfi_preset": "fast"}, "vllm_xargs.sfi_preset", "quality, balanced, speed"),
+    ({"sfi_preset": "fast"}, "vllm_xargs.sfi_preset", "balanced, speed, paper"),
     ({"sfi": '{"sinks": 2}', "sfi_sinks": 2}, "vllm_xargs.sfi_sinks", "given twice"),
 ]
 
