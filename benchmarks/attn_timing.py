@@ -79,7 +79,7 @@ def fa3_us(q, kc, vc, bt, lens, max_len) -> float:
 def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform: bool = False) -> tuple[float, int]:
     """The fast-step kernel over ``n_compact`` compact tokens + the paged window from
     ``window_start``; ``uniform``: with the CUDA-graph split count the engine uses."""
-    from sfi_vllm_kernels.fast_decode import (default_num_splits, fast_decode_attention, make_workspace,
+    from sfi_vllm.kernels.fast_decode import (default_num_splits, fast_decode_attention, make_workspace,
                                               uniform_num_splits)
 
     B = q.shape[0]

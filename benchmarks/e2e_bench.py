@@ -206,9 +206,10 @@ def _fused_score_misses() -> int | None:
     from sfi_vllm.controller import current_controller
 
     ctl = current_controller()
-    if ctl is None or ctl.fused_scores is None:
+    executor = None if ctl is None else ctl.executor
+    if executor is None or executor.fused_scores is None:
         return None
-    return ctl.fused_score_misses
+    return executor.fused_score_misses
 
 
 def _stats_totals(llm) -> tuple[int, int, int, int, int]:

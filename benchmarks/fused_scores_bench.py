@@ -37,8 +37,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS))
     args = ap.parse_args()
-    from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace, uniform_num_splits
-    from sfi_vllm_kernels.slow_scores import slow_step_scores
+    from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace, uniform_num_splits
+    from sfi_vllm.kernels.slow_scores import slow_step_scores
 
     rows_out, ok = [], True
     for point in args.points.split(","):

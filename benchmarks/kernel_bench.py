@@ -33,7 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from sfi_vllm_kernels.repack import repack
+    from sfi_vllm.kernels.repack import repack
 
     scale = D ** -0.5
     rows = []

@@ -9,7 +9,7 @@ import itertools
 import torch
 
 from kernel_bench import HKV, HQ, D, WINDOW, graph_time_us, setup
-from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention, make_workspace
+from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention, make_workspace
 
 
 def main():

@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     from sfi_vllm.config import build_config
     from sfi_vllm.selector import top_k_positions
-    from sfi_vllm_kernels.selector_scores import selector_scores
+    from sfi_vllm.kernels.selector_scores import selector_scores
 
     configs = {"default": build_config({}, use_env=False).selector,
                "paper": build_config({"preset": "paper"}, use_env=False).selector}

@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--points", default=",".join(p[0] for p in POINTS))
     args = ap.parse_args()
     from sfi_vllm.config import build_config
-    from sfi_vllm_kernels.selector_scores import selector_scores
+    from sfi_vllm.kernels.selector_scores import selector_scores
 
     cfg = build_config({"preset": "balanced"}, use_env=False).selector
     wanted = set(args.points.split(","))

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from sfi_vllm.selector import top_k_positions
-    from sfi_vllm_kernels.top_k import top_k_positions as top_k_kernel
+    from sfi_vllm.kernels.top_k import top_k_positions as top_k_kernel
 
     rows_out = []
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,7 @@ compact sets) ``slot`` is first mapped to the physical set it publishes. A row w
 compact set and attends densely to ``[0, seq_len)``; a row with ``seq_len == 0`` writes zeros.
 
 Fused slow-step scores (``scores=``): a dense row whose ``score_base`` is not negative also writes
-what :func:`sfi_vllm_kernels.slow_scores.slow_step_scores` would, from the keys it reads anyway:
+what :func:`sfi_vllm.kernels.slow_scores.slow_step_scores` would, from the keys it reads anyway:
 its logits ``q . k * scale`` over ``[0, width)`` (``-inf`` from ``seq_len`` on) and the key norms
 (zero from ``seq_len`` on), so a slow step inside a full CUDA graph needs no second pass over the
 keys. Layout, in units of one token's values (``Hq`` logits or ``Hkv`` norms): layer ``l``'s frame

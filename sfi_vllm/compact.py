@@ -93,7 +93,7 @@ class PackedCompactBuffer:
     """One layer's compact sets in preallocated storage (GPU path).
 
     Holds the same contents as :class:`CompactBuffer`; fast steps of a whole batch read it in one
-    kernel launch (``sfi_vllm_kernels.fast_decode``), and slow steps fill it with the repack
+    kernel launch (``sfi_vllm.kernels.fast_decode``), and slow steps fill it with the repack
     kernel. Allocated when the layer is built, so vLLM's memory profiling counts it before sizing
     the KV cache.
 
@@ -156,7 +156,7 @@ class PackedCompactBuffer:
         :meth:`target` set and, with ``publish``, publishes it (:meth:`publish`). All device work
         is enqueued on the current stream. Returns the physical sets written. ``cache``: a dict
         shared by the layers of one step (the per-slot metadata tensor is made once per value)."""
-        from sfi_vllm_kernels.repack import repack
+        from sfi_vllm.kernels.repack import repack
 
         if max(counts) > self.capacity:
             raise RuntimeError(
@@ -191,7 +191,7 @@ class PackedCompactBuffer:
     def publish_host(self, slots: list[int], generations: list[int], targets: list[int], counts: list[int],
                      window_starts: list[int]) -> None:
         """The host half of :meth:`publish` (the device half written by whoever repacked: the
-        ``slot_map_dev`` write above, or ``sfi_vllm_kernels.repack.repack_selected``)."""
+        ``slot_map_dev`` write above, or ``sfi_vllm.kernels.repack.repack_selected``)."""
         for slot, gen, t, n, ws in zip(slots, generations, targets, counts, window_starts):
             self.slot_map[slot] = t
             self.length[slot] = n

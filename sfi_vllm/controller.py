@@ -3,7 +3,9 @@
 It owns request slots, the :class:`SlowStepTrigger` and the statistics, and turns each engine step
 into a :class:`StepPlan` (one mode per batch row) before the model runs. vLLM's model runner calls
 it through the hooks in :mod:`sfi_vllm.patches.runner_hooks`; the metadata builder attaches the
-plan to the step's attention metadata; every layer's impl reads it.
+plan to the step's attention metadata; every layer's impl reads it. It holds no device resources:
+on the kernel path those belong to its executor (:mod:`sfi_vllm.backends.cuda_executor`), which
+adds its part to each plan and finishes each step. docs/architecture.md draws the flow.
 
 One controller per worker process (vLLM builds one model per worker).
 """
@@ -62,7 +64,7 @@ class StepPlan:
     # re-selected from staged queries after the step
     graph_slow: bool = False
     # fused scores (``fused_scores_tokens``) of a graph_slow plan: each group of slow rows'
-    # (offset, frame width) in the controller's FusedScoreBuffers; None: scored in a second pass
+    # (offset, frame width) in the executor's FusedScoreBuffers; None: scored in a second pass
     score_layout: dict | None = None
 
     def rows(self, mode: StepMode) -> list[int]:
@@ -108,19 +110,10 @@ class SFIController:
         self.pool_full_requests = 0  # requests that found every compact set taken
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
-        self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
-        # set by a backend whose layers stage their queries in the uniform launch (the CUDA impl,
-        # when ``graph_slow_enabled``): only then may a plan put slow rows in a full graph
-        self.graph_slow_ready = False
-        self.fast_workspace: torch.Tensor | None = None  # GPU uniform fast path scratch (set by the impl)
-        # fused slow-step scores of every layer (FusedScoreBuffers, set by the CUDA impl when
-        # ``fused_scores_tokens`` resolves to more than 0); steps whose slow rows did not fit are counted
-        self.fused_scores = None
-        self.fused_score_misses = 0
-        self._slow_selection = None
-        self._step_refresh = None
-        self._refresh_stream = None
-        self._refresh_pending = False
+        # the kernel path's device resources and its part of planning and ending a step
+        # (sfi_vllm.backends.cuda_executor.CudaExecutor, attached by the first packed layer); None
+        # on the reference path
+        self.executor = None
         self.current_plan: StepPlan | None = None
         self.planned_steps = 0
         boundary = self._boundary_tokens(vllm_config)
@@ -189,52 +182,6 @@ class SFIController:
             "from a single-worker run",
             tp, heads if heads is not None else "its share of the", skipped,
         )
-
-    # -- the refresh stream (GPU kernel path) -----------------------------------------------------
-    def refresh_stream(self, device: torch.device):
-        """The CUDA stream slow steps' selection and repack run on, or None (inline): CPU, or
-        ``side_stream`` off. Work enqueued on it must be joined (:meth:`join_refresh`) before
-        anything reads the compact sets it writes."""
-        if device.type != "cuda" or not self.cfg.side_stream:
-            return None
-        if self._refresh_stream is None:
-            self._refresh_stream = torch.cuda.Stream(device)
-        return self._refresh_stream
-
-    def fork_refresh(self, device: torch.device):
-        """Order the refresh stream after everything enqueued so far on the current stream (this
-        layer's KV-cache writes and dense attention) and return it (None: run inline)."""
-        side = self.refresh_stream(device)
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
-            self._refresh_pending = True
-        return side
-
-    def join_refresh(self) -> None:
-        """Make the current stream wait for all refresh work enqueued so far. Called by the metadata
-        builder at the start of every step, before any of the step's kernels is enqueued, so the
-        step's fast rows (eager or replayed from a full CUDA graph) read published sets only."""
-        if self._refresh_pending:
-            torch.cuda.current_stream(self._refresh_stream.device).wait_stream(self._refresh_stream)
-            self._refresh_pending = False
-
-    @property
-    def slow_selection(self):
-        """The GPU slow step's selection graphs (:mod:`sfi_vllm.backends.selection`), shared by layers."""
-        if self._slow_selection is None:
-            from sfi_vllm.backends.selection import SlowStepSelection
-
-            self._slow_selection = SlowStepSelection(top_k=self.cfg.selector_top_k)
-        return self._slow_selection
-
-    @property
-    def step_refresh(self):
-        """The per-step refresh (``slow_refresh = "per_step"``, :mod:`sfi_vllm.backends.step_refresh`)."""
-        if self._step_refresh is None:
-            from sfi_vllm.backends.step_refresh import StepRefresh
-
-            self._step_refresh = StepRefresh()
-        return self._step_refresh
 
     def register_buffer(self, buf: CompactBuffer) -> int:
         """Register one layer's compact buffer; returns the layer's index among the SFI layers."""
@@ -418,48 +365,12 @@ class SFIController:
             slow_counts=slow_counts,
             configs=[self.slot_cfg[s] for s in slots],
             context=context,
-            graph_slow=bool(slow) and self._slow_rows_fit_graph([self.slot_cfg[slots[i]] for i in slow],
-                                                                [context[i] for i in slow]),
         )
-        if plan.graph_slow and self.fused_scores is not None:
-            plan.score_layout = self._score_layout(plan)
+        if slow and self.executor is not None:
+            self.executor.plan(plan, slow)  # slow rows inside the step's CUDA graph, if they fit
         self.current_plan = plan
         self.planned_steps += 1
         return plan
-
-    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], contexts: list[int]) -> bool:
-        """``slow_in_graph``: whether these slow rows can all be refreshed after the step from
-        staged queries (per-step refresh, every layer, the Selector needed for every row)."""
-        from sfi_vllm.backends.step_refresh import refresh_per_step
-        from sfi_vllm.compact import selected_count, window_start
-
-        if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(self.cfg.slow_refresh, contexts):
-            return False
-        for cfg, ctx in zip(cfgs, contexts):
-            k = selected_count(cfg, ctx)
-            candidates = window_start(cfg, ctx) - min(cfg.sinks, ctx)
-            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < candidates:
-                return False
-        return True
-
-    def _score_layout(self, plan: StepPlan) -> dict | None:
-        from sfi_vllm.backends.step_refresh import graph_slow_groups, plan_score_frames
-
-        assert plan.context is not None
-        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
-        if layout is None:
-            if self.fused_score_misses == 0:
-                logger.warning(
-                    "sfi-vllm: a slow step's rows need more frame tokens than fused_scores_tokens (%d) "
-                    "holds; such steps score their slow rows in a second pass (counted in "
-                    "fused_score_misses)", self.fused_scores.tokens)
-            self.fused_score_misses += 1
-        return layout
-
-    def note_graph_slow(self, plan: StepPlan, block_table: torch.Tensor) -> None:
-        """The metadata builder made a uniform step of a plan with slow rows: they are refreshed
-        when the step ends, from the queries the fast-step kernel staged."""
-        self._graph_slow = (plan, block_table)
 
     def take_plan(self) -> StepPlan | None:
         """The plan for the metadata being built now, or None outside a planned step (profiling,
@@ -468,19 +379,24 @@ class SFIController:
         return self.current_plan
 
     def end_step(self) -> None:
-        """After the step's forward: run the staged per-step refresh (``slow_refresh =
-        "per_step"``), then forget the plan."""
-        if self._graph_slow is not None:
-            plan, block_table = self._graph_slow
-            self._graph_slow = None
-            self.step_refresh.stage_graph_slow(self, plan, block_table)
-        if self._step_refresh is not None:
-            self._step_refresh.flush(self)
+        """After the step's forward: the executor finishes the step (the kernel path's staged
+        per-step refresh), then the plan is forgotten."""
+        if self.executor is not None:
+            self.executor.finish(self.layers)
         self.current_plan = None
         self.stats.flush_metrics()
 
 
 _CONTROLLER: SFIController | None = None
+# called with each new controller: sfi_vllm.plugin registers the runner hooks' install here, so that
+# this module does not import the patches that import it
+_ON_NEW_CONTROLLER: list = []
+
+
+def on_new_controller(callback) -> None:
+    """Call ``callback(controller)`` whenever :func:`get_controller` creates a controller."""
+    if callback not in _ON_NEW_CONTROLLER:
+        _ON_NEW_CONTROLLER.append(callback)
 
 
 def get_controller(vllm_config: Any | None = None) -> SFIController:
@@ -492,10 +408,9 @@ def get_controller(vllm_config: Any | None = None) -> SFIController:
     if _CONTROLLER is None:
         if vllm_config is None:
             raise RuntimeError("sfi-vllm: controller requested before the engine was configured")
-        from sfi_vllm.patches import runner_hooks
-
         _CONTROLLER = SFIController(config_from_vllm(vllm_config), vllm_config)
-        runner_hooks.install()
+        for callback in _ON_NEW_CONTROLLER:
+            callback(_CONTROLLER)
     return _CONTROLLER
 
 

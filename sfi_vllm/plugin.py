@@ -71,10 +71,14 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, path)
     AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
 
-    from sfi_vllm.patches import config_check, request_check
+    from sfi_vllm.controller import on_new_controller
+    from sfi_vllm.patches import config_check, request_check, runner_hooks
 
     config_check.install()
     request_check.install()
+    # the per-step hooks on vLLM's model runner go in with the process's first SFI controller: a
+    # process that never builds an SFI layer keeps vLLM's runner as it is
+    on_new_controller(runner_hooks.install_for)
     if current_platform.is_cpu():
         from sfi_vllm.patches import cpu_platform
 

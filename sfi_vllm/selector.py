@@ -236,7 +236,7 @@ def top_k_positions(scores: torch.Tensor, lo: int, k: torch.Tensor, kmax: int) -
 def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,
                           n: torch.Tensor, num_query_rows: int = 1) -> torch.Tensor:
     """Steps 1-5 for a batch: final scores ``(B, Hkv, W - lo)`` of candidates ``lo + j``; ``-inf``
-    past row ``b``'s ``n[b]`` candidates. The spec of ``sfi_vllm_kernels.selector_scores``."""
+    past row ``b``'s ``n[b]`` candidates. The spec of ``sfi_vllm.kernels.selector_scores``."""
     c = selector.cfg
     B, hkv = probs.shape[:2]
     dev = probs.device

@@ -111,7 +111,8 @@ def test_wheel_builds_from_the_dockerfiles_copy_set(image_wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for preset in ("balanced", "speed", "paper"):
         assert f"sfi_vllm/presets/{preset}.yaml" in names
-    assert "sfi_vllm_kernels/fast_decode.py" in names
+    assert "sfi_vllm/kernels/fast_decode.py" in names
+    assert not any(n.startswith("sfi_vllm_kernels/") for n in names)  # one package
     assert "sfi_vllm/plugin.py" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()
@@ -122,7 +123,7 @@ def test_wheel_holds_the_tooling_and_the_old_paths(image_wheel):
     wheel, _ = image_wheel
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("sfi_vllm/moved_modules.py", "sfi_vllm/tools/__init__.py", "sfi_vllm/tools/cli.py",
-              "sfi_vllm/tools/quality/tasks.py", "sfi_vllm_kernels/fast_decode.py"):
+              "sfi_vllm/tools/quality/tasks.py", "sfi_vllm/kernels/fast_decode.py"):
         assert f in names, f
 
 

@@ -191,7 +191,7 @@ def test_fast_step_split_counts_are_powers_of_two():
     """The split count is a compile-time constant of the fast-step kernels: a draining batch must
     not meet a new one at every step (each a compilation)."""
     pytest.importorskip("triton")
-    from sfi_vllm_kernels.fast_decode import default_num_splits
+    from sfi_vllm.kernels.fast_decode import default_num_splits
 
     seen = {default_num_splits(rows, hkv, keys) for rows in range(1, 64) for hkv in (1, 3, 8)
             for keys in range(1, 20000, 97)}

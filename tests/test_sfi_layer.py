@@ -8,6 +8,7 @@ import torch
 
 from sfi_vllm.attention_ref import attention_probs
 from sfi_vllm.backends.common import SFILayer, make_step, subset_common_metadata
+from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.compact import selected_count, window_start
 from sfi_vllm.config import build_config
 from sfi_vllm.controller import SFIController, StepPlan
@@ -205,9 +206,10 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     cfg = {"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
            "selected_tokens": 128, "fused_scores_tokens": 8192}
     ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
-    ctl.graph_slow_ready = True
+    executor = executor_for(ctl)  # as the CUDA impl attaches it
+    executor.graph_slow_ready = True
     layers, hq, hkv = 3, 6, 2
-    ctl.fused_scores = FusedScoreBuffers.allocate(8192, layers, hq, hkv, "cpu")
+    executor.fused_scores = FusedScoreBuffers.allocate(8192, layers, hq, hkv, "cpu")
     # a (1001 tokens) and c (2501) take their first slow step: one group (same Selector and
     # sinks), a frame of 4096 tokens (the larger context rounded up to 2048) for each row
     p = ctl.plan_step(["a", "c"], np.array([1, 1]), np.array([1000, 2500]), [1000, 2500], torch.tensor([1, 1]))
@@ -215,12 +217,12 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     assert p.score_layout == {(ctl.cfg.selector, 4): (0, 4096)}
     # base, layer stride and width per row; a padding row past the batch has base -1
     assert score_row_tables(p, 3).tolist() == [[0, 4096, -1], [8192, 8192, 0], [4096, 4096, 0]]
-    logits, norms = ctl.fused_scores.views(0, 2, 4096)
+    logits, norms = executor.fused_scores.views(0, 2, 4096)
     assert logits.shape == (layers, 2, hkv, hq // hkv, 4096) and norms.shape == (layers, 2, hkv, 4096)
     # layer l, row j's frame starts at frame token base_j + l * stride, where the kernel writes it
-    assert logits[1, 1].data_ptr() == ctl.fused_scores.logits[(4096 + 8192) * hq:].data_ptr()
-    assert norms[2, 0].data_ptr() == ctl.fused_scores.norms[(0 + 2 * 8192) * hkv:].data_ptr()
-    assert ctl.fused_score_misses == 0
+    assert logits[1, 1].data_ptr() == executor.fused_scores.logits[(4096 + 8192) * hq:].data_ptr()
+    assert norms[2, 0].data_ptr() == executor.fused_scores.norms[(0 + 2 * 8192) * hkv:].data_ptr()
+    assert executor.fused_score_misses == 0
     # the uniform step's persistent tables: every padding row past the batch loses a stale base
     from types import SimpleNamespace
 
@@ -235,7 +237,7 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     # d and e (1001 and 4201 tokens) need two frames of 6144 tokens: more than the buffers hold,
     # so the step scores them in a second pass, and the miss is counted
     p = ctl.plan_step(["d", "e"], np.array([1, 1]), np.array([1000, 4200]), [1000, 4200], torch.tensor([1, 1]))
-    assert p.graph_slow and p.score_layout is None and ctl.fused_score_misses == 1
+    assert p.graph_slow and p.score_layout is None and executor.fused_score_misses == 1
     assert score_row_tables(p, 2)[0].tolist() == [-1, -1]
 
 
@@ -248,7 +250,7 @@ def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_t
     def controller(extra, staged=True):
         c = {**cfg, **extra}
         ctl = SFIController(build_config({"bridge_steps": 0, **c}, use_env=False), fake_vllm_config(c, max_num_seqs=4))
-        ctl.graph_slow_ready = staged  # what the CUDA impl sets when its layers stage queries
+        executor_for(ctl).graph_slow_ready = staged  # what the CUDA impl sets when its layers stage queries
         return ctl
 
     for extra in ({}, {"slow_in_graph": True}):  # unset (the default) and true plan the same

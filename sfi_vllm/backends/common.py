@@ -27,6 +27,7 @@ import torch
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
 from sfi_vllm.backends.step_refresh import refresh_per_step
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
+from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
@@ -59,7 +60,7 @@ class SFIStep:
 
 @dataclass
 class FastRows:
-    """Device tables for one launch of the fast-step kernel (``sfi_vllm_kernels.fast_decode``).
+    """Device tables for one launch of the fast-step kernel (``sfi_vllm.kernels.fast_decode``).
 
     Row ``b`` reads query token ``token[b]`` (``None``: token ``b``), the compact set of slot
     ``slot[b]`` (``-1``: none, the row attends densely) and the paged window from
@@ -255,6 +256,9 @@ class SFILayer:
         self.buffer = packed if packed is not None else CompactBuffer()
         self.index = controller.register_buffer(self.buffer)
         controller.layers.append(self)
+        # the kernel path's shared device resources (refresh stream, selection graphs, per-step
+        # refresh, fused scores); None on the reference path
+        self.executor = executor_for(controller) if packed is not None else None
         # slow_in_graph: this layer's copy of every row's query, written by the uniform launch
         # (persistent: a captured graph holds its address); and the layer's KV views, noted at its
         # eager calls, for a refresh made after a step that ran as a graph
@@ -302,13 +306,13 @@ class SFILayer:
                                              and all_scored(plan, step, group, sinks))
                 tok, bt, deferred = step.layer_cache[key]
                 if deferred:  # staged now, selected with every other layer when the step ends
-                    self.controller.step_refresh.record(step, self, paged, query, group, tok, bt, sinks,
-                                                        len(self.controller.buffers))
+                    self.executor.step_refresh.record(step, self, paged, query, group, tok, bt, sinks,
+                                                      len(self.controller.buffers))
                 else:
                     jobs.append((group, query[tok], bt))
             if not jobs:
                 return
-            side = self.controller.fork_refresh(dev)
+            side = self.executor.fork_refresh(dev)
             if side is None:
                 for group, q_rows, bt in jobs:
                     self._refresh_packed(step, paged, q_rows, bt, group)
@@ -373,7 +377,7 @@ class SFILayer:
         if scored:
             key_cache, _ = paged.nhd_views()
             all_scored = sub is None
-            sel = self.controller.slow_selection.select(
+            sel = self.executor.slow_selection.select(
                 self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
                 bt if all_scored else bt[sub], seq,
                 [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale,
@@ -428,11 +432,11 @@ class SFILayer:
     def _quest_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor,
                       rows: list[int], page: int, sinks: int) -> None:
         """Quest-style rows of one page size and sink count, batched (the GPU kernel path of
-        :meth:`_quest_set`): page scores in one launch (``sfi_vllm_kernels.quest_pages``), top
+        :meth:`_quest_set`): page scores in one launch (``sfi_vllm.kernels.quest_pages``), top
         pages per row and KV head, sinks + pages repacked into each row's compact set (published
         at once: the set serves this step only), then the fast-step kernel over set + window."""
-        from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention
-        from sfi_vllm_kernels.quest_pages import quest_page_scores
+        from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention
+        from sfi_vllm.kernels.quest_pages import quest_page_scores
 
         from sfi_vllm.selector import top_k_positions
 
@@ -492,7 +496,7 @@ class SFILayer:
         """All ``rows`` in one launch of the Triton fast-step kernel (tables made once per step)."""
         if not rows:
             return
-        from sfi_vllm_kernels.fast_decode import default_num_splits, fast_decode_attention
+        from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention
 
         plan, buf, tables = step.plan, self.packed, step.fast_tables
         assert buf is not None and tables is not None and tables.rows == len(rows)
@@ -518,7 +522,7 @@ class SFILayer:
         """Every row one decode token (fast rows read their compact set, the others attend
         densely): one launch with fixed shapes that reads only device tables, so it can be
         captured in a full CUDA graph and replayed with the tables of later steps."""
-        from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, uniform_num_splits
+        from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, uniform_num_splits
 
         buf = self.packed
         assert buf is not None
@@ -533,7 +537,7 @@ class SFILayer:
         lse = workspace[acc.numel(): need].view(b, self.num_heads, splits)
         key_cache, value_cache = paged.nhd_views()
         scores = None
-        fused = self.controller.fused_scores
+        fused = self.executor.fused_scores
         if fused is not None and tables.scores is not None:
             if self.index >= fused.layers:
                 raise RuntimeError(f"sfi-vllm: layer {self.index} has no fused score frames "
@@ -664,7 +668,8 @@ class SFIBuilderMixin:
 
         cam = common_attn_metadata
         # the previous step's refresh work (second stream) before this step's kernels
-        self.controller.join_refresh()
+        if self.controller.executor is not None:
+            self.controller.executor.join_refresh()
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})

@@ -13,7 +13,7 @@ Two kinds of step:
   kernels up to ``FUSED_MAX_FRAME`` tokens, torch ops beyond; top-K in torch; replayed from a CUDA graph per
   shape, :mod:`sfi_vllm.backends.selection`) and
   repacked in one launch; fast rows run the fast-step kernel; Quest-style rows get their pages
-  from the page-bound kernel (``sfi_vllm_kernels.quest_pages``), repacked, then the fast-step kernel.
+  from the page-bound kernel (``sfi_vllm.kernels.quest_pages``), repacked, then the fast-step kernel.
 
 **Per-step refresh** (``sfi.slow_refresh``: ``per_step``, or ``auto`` for small enough slow rows):
 instead of the above per layer, each layer stages its slow rows' queries and the whole step's
@@ -77,6 +77,7 @@ from sfi_vllm.backends.common import (
     attach_fast_tables,
     uniform_tables,
 )
+from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
 
@@ -131,7 +132,8 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         # persistent (captured) row tables: compact-buffer slot and earliest window start per row,
         # and with fused scores (allocated by the layers, which are built before this) their frame
         # base, layer stride and width
-        tables = 5 if self.controller.fused_scores is not None else 2
+        executor = self.controller.executor
+        tables = 5 if executor is not None and executor.fused_scores is not None else 2
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
 
     def _build_uniform(self, meta, cam, plan) -> bool:
@@ -142,7 +144,7 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
             return False  # larger than any CUDA-graph batch: the eager path serves it
         meta.sfi_uniform = uniform_tables(plan, cam, self._row_tables, self.controller)
         if plan is not None and plan.graph_slow:  # slow rows attend densely here, refreshed after the step
-            self.controller.note_graph_slow(plan, cam.block_table_tensor)
+            self.controller.executor.note_graph_slow(plan, cam.block_table_tensor)
         return True
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:
@@ -160,18 +162,19 @@ def max_uniform_rows(vllm_config) -> int:
 class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
     def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         from sfi_vllm.config import config_from_vllm
-        from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+        from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
 
         cfg = config_from_vllm(vllm_config)
         if cfg.kernels == "torch":
             return None
         check_kernel_head_size(head_size)
         ctl = self.sfi_controller
-        if getattr(ctl, "fast_workspace", None) is None:
+        executor = executor_for(ctl)
+        if executor.fast_workspace is None:
             # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
             # (they run one after another on one stream); allocated here so profiling counts it
             numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size)
-            ctl.fast_workspace = torch.empty(numel, dtype=torch.float32,
+            executor.fast_workspace = torch.empty(numel, dtype=torch.float32,
                                              device=torch.device("cuda", torch.cuda.current_device()))
             logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)
         slots = ctl.compact_slots  # the pool (sfi_vllm.compact_pool), at most max_num_seqs
@@ -197,10 +200,11 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         dtype = vllm_config.model_config.dtype
         stage = torch.empty(rows, num_heads, head_size, dtype=dtype,
                             device=torch.device("cuda", torch.cuda.current_device()))
-        self.sfi_controller.graph_slow_ready = True
+        executor = executor_for(self.sfi_controller)
+        executor.graph_slow_ready = True
         logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
                          rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)
-        if self.sfi_controller.fused_scores is None:
+        if executor.fused_scores is None:
             self._allocate_fused_scores(vllm_config, cfg, num_heads)
         return stage
 
@@ -220,10 +224,10 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         nbytes = FusedScoreBuffers.bytes_for(tokens, layers, num_heads, kv_heads)
         logger.info("sfi-vllm: fused slow-step scores take %d tokens x %d layers x (%d + %d heads) x 4 "
                     "bytes = %.1f MiB", tokens, layers, num_heads, kv_heads, nbytes / 2**20)
-        self.sfi_controller.fused_scores = FusedScoreBuffers.allocate(tokens, layers, num_heads, kv_heads, device)
+        executor_for(self.sfi_controller).fused_scores = FusedScoreBuffers.allocate(tokens, layers, num_heads, kv_heads, device)
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)
 
     def _workspace(self) -> torch.Tensor:
-        return self.sfi_controller.fast_workspace
+        return self.sfi_controller.executor.fast_workspace

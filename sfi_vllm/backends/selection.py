@@ -1,7 +1,7 @@
 """SlowStepSelection: the GPU slow step's selection work, captured in CUDA graphs.
 
-A slow step re-selects every layer's compact set: score kernel (``sfi_vllm_kernels.slow_scores``),
-then the Selector's scores (``sfi_vllm_kernels.selector_scores``: three launches, for frames up
+A slow step re-selects every layer's compact set: score kernel (``sfi_vllm.kernels.slow_scores``),
+then the Selector's scores (``sfi_vllm.kernels.selector_scores``: three launches, for frames up
 to ``FUSED_MAX_FRAME``; the torch Selector, about a hundred small ops, for longer frames and for
 evidence smoothing) and top-K. Launched one by one
 the torch version was bound by the host (measured on the H200: 2.4 ms of launch time per layer for
@@ -41,13 +41,13 @@ logger = logging.getLogger("sfi_vllm")
 
 def top_k_function(kind: str, page_size: int = 0):
     """``sfi.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
-    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm_kernels.top_k``).
+    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm.kernels.top_k``).
     Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
     score plus the in-page order), which the kernel's float32 radix select does not take."""
     if kind not in ("torch", "triton"):
         raise ValueError(f"selector_top_k: unknown kind {kind!r}")
     if kind == "triton" and page_size <= 1:
-        from sfi_vllm_kernels.top_k import top_k_positions as kernel
+        from sfi_vllm.kernels.top_k import top_k_positions as kernel
 
         return kernel
     if kind == "triton" and not _TOP_K_NOTED:
@@ -125,8 +125,8 @@ class SlowStepSelection:
         """Positions ``(R, Hkv, max(k))`` (row ``b``'s first ``k[b]`` ascending) for the slow rows
         whose queries are ``q (R, Hq, D)``; see :func:`sfi_vllm.selector.select_batched`.
         ``step``: the engine step (the layers of a step count as one use of the shape)."""
-        from sfi_vllm_kernels.selector_scores import selector_scores
-        from sfi_vllm_kernels.slow_scores import slow_step_scores
+        from sfi_vllm.kernels.selector_scores import selector_scores
+        from sfi_vllm.kernels.slow_scores import slow_step_scores
 
         assert min(k) > 0 and all(kk <= h - lo for kk, h in zip(k, hi))
         rows, hq, _ = q.shape

@@ -7,7 +7,7 @@ real engine on the H200: ``benchmarks/results/profile-engine-h200.md``), which a
 slow step several times a dense one while the device idles.
 
 With ``"per_step"`` a layer only copies its slow rows' queries into a staging buffer (one launch).
-When the step ends (:meth:`sfi_vllm.controller.SFIController.end_step`) the work of every layer
+When the step ends (:meth:`sfi_vllm.backends.cuda_executor.CudaExecutor.finish`) the work of every layer
 runs at once, on the refresh stream when there is one, ordered after the last layer's copy:
 
 * per layer the score kernel, into a ``(C, R, Hkv, G, W)`` logits buffer of ``C`` layers (as many
@@ -79,7 +79,7 @@ def graph_slow_groups(plan) -> dict[tuple, list[int]]:
 class FusedScoreBuffers:
     """The fused slow-step scores of every layer (``sfi.fused_scores_tokens``): flat float32
     logits (``tokens x layers x Hq``) and key norms (``tokens x layers x Hkv``), written by the
-    fast-step kernel (:class:`sfi_vllm_kernels.fast_decode.ScoreFrames`)."""
+    fast-step kernel (:class:`sfi_vllm.kernels.fast_decode.ScoreFrames`)."""
     logits: torch.Tensor
     norms: torch.Tensor
     tokens: int
@@ -160,7 +160,7 @@ class _Job:
     # slow_in_graph: the rows' indices in each layer's own stage (written by the uniform launch)
     rows_idx: list[int] | None = None
     # fused scores: the group's logits (layers, R, Hkv, G, W) and norms (layers, R, Hkv, W), views
-    # of the controller's FusedScoreBuffers written by the uniform launch; and their offset
+    # of the executor's FusedScoreBuffers written by the uniform launch; and their offset
     scores: tuple[torch.Tensor, torch.Tensor] | None = None
     score_offset: int | None = None
     layers: list = field(default_factory=list)  # SFILayer, in record order
@@ -235,21 +235,21 @@ class StepRefresh:
                 self._event = torch.cuda.Event()
             self._event.record()
 
-    def stage_graph_slow(self, controller, plan, block_table: torch.Tensor) -> None:
+    def stage_graph_slow(self, executor, layers: list, plan, block_table: torch.Tensor) -> None:
         """Jobs for the slow rows of a step that ran as a uniform step (``slow_in_graph``): every
         layer's queries are in its own stage, written by the fast-step kernel; row ``b`` of the
         batch is token ``b``."""
         from sfi_vllm.compact import selected_count, window_start
         from sfi_vllm.host_copy import tensor_to_device
 
-        layers = list(controller.layers)
+        layers = list(layers)
         missing = [l.index for l in layers if l.stage is None or l.kv is None or l.packed is None]
         if missing:
             raise RuntimeError(f"sfi-vllm: slow_in_graph: layers {missing[:4]} have no query stage or KV views "
                                "(their impl did not set them up); this is a bug")
         assert plan.context is not None
         layout = plan.score_layout or {}
-        buffers = controller.fused_scores
+        buffers = executor.fused_scores
         if layout and (buffers is None or buffers.layers != len(layers)
                        or [l.index for l in layers] != list(range(len(layers)))):
             raise RuntimeError("sfi-vllm: fused scores planned for layers the buffers do not hold; this is a bug")
@@ -272,20 +272,20 @@ class StepRefresh:
                 self._event = torch.cuda.Event()
             self._event.record()  # after the step's last layer
 
-    def flush(self, controller) -> None:
+    def flush(self, executor) -> None:
         """Run every staged layer's selection and repack, and publish the new sets."""
         if not self._pending:
             return
         jobs = list(self._pending.values())
         self._pending = {}
         dev = jobs[0].bt.device
-        side = controller.refresh_stream(dev)
+        side = executor.refresh_stream(dev)
         if side is None:
             for job in jobs:
                 self._run(job)
             return
         side.wait_event(self._event)
-        controller._refresh_pending = True
+        executor.refresh_pending = True
         with torch.cuda.stream(side):
             for job in jobs:
                 job.bt.record_stream(side)  # the step's tensor, made on the main stream
@@ -354,9 +354,9 @@ class StepRefresh:
         scale = layer0.scale
 
         def body() -> None:
-            from sfi_vllm_kernels.repack import repack_selected
-            from sfi_vllm_kernels.selector_scores import selector_scores
-            from sfi_vllm_kernels.slow_scores import slow_step_scores
+            from sfi_vllm.kernels.repack import repack_selected
+            from sfi_vllm.kernels.selector_scores import selector_scores
+            from sfi_vllm.kernels.slow_scores import slow_step_scores
 
             for c0 in range(0, len(layers), chunk):
                 part = range(c0, min(c0 + chunk, len(layers)))

@@ -57,6 +57,12 @@ def _runner_step_inputs(runner, num_scheduled_tokens):
     return req_ids, num_computed, prompt_lens, first_tokens, extra_args
 
 
+def install_for(controller) -> None:
+    """:func:`sfi_vllm.controller.on_new_controller`'s callback: the hooks find each step's
+    controller through :func:`current_controller`, so installing once serves every engine."""
+    install()
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:

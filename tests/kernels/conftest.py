@@ -14,7 +14,7 @@ INTERPRET = not torch.cuda.is_available()
 
 
 def _import_triton_interpreted() -> str | None:
-    """Import Triton and every ``sfi_vllm_kernels`` module with ``TRITON_INTERPRET=1``, then put
+    """Import Triton and every ``sfi_vllm.kernels`` module with ``TRITON_INTERPRET=1``, then put
     the variable back as it was. Returns why the interpreter cases cannot run, or None."""
     if "triton" in sys.modules:  # imported before this file: only its interpreter mode will do
         import triton.language as tl
@@ -29,10 +29,10 @@ def _import_triton_interpreted() -> str | None:
             import triton  # noqa: F401
         except ImportError:
             return "needs Triton (its interpreter runs the kernels on the CPU)"
-        import sfi_vllm_kernels
+        import sfi_vllm.kernels
 
-        for info in pkgutil.iter_modules(sfi_vllm_kernels.__path__):
-            importlib.import_module(f"{sfi_vllm_kernels.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(sfi_vllm.kernels.__path__):
+            importlib.import_module(f"{sfi_vllm.kernels.__name__}.{info.name}")
     finally:
         if before is None:
             os.environ.pop("TRITON_INTERPRET", None)

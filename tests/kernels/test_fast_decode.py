@@ -1,4 +1,4 @@
-"""The fast-step kernel (``sfi_vllm_kernels.fast_decode``) against ``fast_step_attention``."""
+"""The fast-step kernel (``sfi_vllm.kernels.fast_decode``) against ``fast_step_attention``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
                       splits=(1, 3, 8), seed=0):
     """Rows with a compact set, a row whose window slides past its refresh point (``min_ws``), a
     dense row (no slot: ``compact`` None) and an empty padding row (``seq_len`` 0)."""
-    from sfi_vllm_kernels.fast_decode import fast_decode_attention, make_workspace
+    from sfi_vllm.kernels.fast_decode import fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)

@@ -16,7 +16,7 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     compact set and a frame base (ignored: only dense rows are scored), row 3 is dense and not
     scored, row 4 is padding. Their logits and key norms against the gathered keys; nothing
     written outside the two frames; the attention output the same as without scores."""
-    from sfi_vllm_kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
+    from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
     B, G = len(seq_lens), hq // hkv

@@ -24,7 +24,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.controller import SFIController
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
@@ -50,7 +50,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     for layer in (ref, fast, fast2):
         layer.refresh(slow, paged, qd, 0)
         ctl.end_step()  # the runner hook after the forward (runs a per-step refresh)
-        ctl.join_refresh()  # what the metadata builder does at the start of the next step
+        ctl.executor.join_refresh()  # what the metadata builder does at the start of the next step
         out = torch.full_like(qd, float("nan"))
         layer.fast(step, paged, qd, out)
         outs.append(out[: n - 1].float().cpu())
@@ -110,7 +110,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
     ctls, stacks = refresh_stacks([{**base, "slow_refresh": m} for m in ("per_layer", "per_step")],
                                   hq, hkv, d, dtype, device, layers)
-    ctls[1]._step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
+    ctls[1].executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
     g = torch.Generator().manual_seed(11)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
     # each layer's cache, allocated once (an engine's caches persist; a graph holds their addresses)
@@ -124,10 +124,10 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
             for li, layer in enumerate(stack):
                 layer.refresh(step, pageds[li], qs[li], li)
             ctl.end_step()  # the per-step refresh runs here
-            ctl.join_refresh()
-        assert not ctls[1].step_refresh.pending
+            ctl.executor.join_refresh()
+        assert not ctls[1].executor.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n, values=True)
-    sr = ctls[1].step_refresh
+    sr = ctls[1].executor.step_refresh
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
     return 0.0
@@ -148,7 +148,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from sfi_vllm_kernels.fast_decode import uniform_workspace_numel
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import plan_for
 
     n = len(seq_lens)
@@ -160,11 +160,11 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens, "selector_top_k": top_k}],
                                             hq, hkv, d, dtype, device, layers)
-    ctl._step_refresh = StepRefresh(capture_after=2)
-    ctl.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
+    ctl.executor.step_refresh = StepRefresh(capture_after=2)
+    ctl.executor.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
     if fused:  # as the CUDA impl allocates them
-        ctl.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
-    assert ctl._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
+        ctl.executor.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
+    assert ctl.executor._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
     g = torch.Generator().manual_seed(13)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)
     pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
@@ -182,16 +182,16 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         for li, layer in enumerate(stacks[0]):
             layer.refresh(step, pageds[li], qs[li], li)
         ref_ctl.end_step()
-        ref_ctl.join_refresh()
+        ref_ctl.executor.join_refresh()
         # the same slow step as a uniform step
         plan = plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens))
         plan.graph_slow = True
         assert not plan.needs_eager
         if fused:
-            plan.score_layout = ctl._score_layout(plan)
+            plan.score_layout = ctl.executor._score_layout(plan)
             assert plan.score_layout is not None
-            ctl.fused_scores.logits.fill_(float("nan"))  # what the refresh reads must be this step's
-            ctl.fused_scores.norms.fill_(float("nan"))
+            ctl.executor.fused_scores.logits.fill_(float("nan"))  # what the refresh reads must be this step's
+            ctl.executor.fused_scores.norms.fill_(float("nan"))
         tables = uniform_tables(plan, cam, persistent, ctl)
         for li, layer in enumerate(stacks[1]):
             out = torch.full_like(qs[li], float("nan"))
@@ -201,12 +201,12 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                 keys, values = pageds[li].gather_range(cam.block_table_tensor[r], 0, seq_lens[r])
                 dense = dense_attention(qs[li][r], keys, values, d ** -0.5).float().cpu()
                 assert ((out[r].float().cpu() - dense).norm() / dense.norm()).item() < 2e-2, "dense slow row"
-        ctl.note_graph_slow(plan, cam.block_table_tensor)
+        ctl.executor.note_graph_slow(plan, cam.block_table_tensor)
         ctl.end_step()
-        ctl.join_refresh()
-        assert not ctl.step_refresh.pending
+        ctl.executor.join_refresh()
+        assert not ctl.executor.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n)
-    sr = ctl.step_refresh
+    sr = ctl.executor.step_refresh
     assert any(key[2] == ("fused", 0) for key in sr._entries) == fused, "fused scores used" 
     if device == "cuda":
         assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)

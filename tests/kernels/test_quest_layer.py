@@ -1,4 +1,4 @@
-"""Quest-style fast rows through the kernel path (page-score kernel ``sfi_vllm_kernels.quest_pages``,
+"""Quest-style fast rows through the kernel path (page-score kernel ``sfi_vllm.kernels.quest_pages``,
 top pages, repack, fast-step kernel) against the reference layer."""
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
 
     fast.refresh(slow, paged, q1, 0)
     ctl.end_step()
-    ctl.join_refresh()
+    ctl.executor.join_refresh()
     old = read()
     torch.cuda.synchronize()
     assert torch.isfinite(old).all()
@@ -56,13 +56,13 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     for slot in range(n):
         packed.keys[packed.target(slot)] = float("nan")
         packed.values[packed.target(slot)] = float("nan")
-    side = ctl.refresh_stream(torch.device(device))
+    side = ctl.executor.refresh_stream(torch.device(device))
     with torch.cuda.stream(side):
         torch.cuda._sleep(sleep_cycles)
     fast.refresh(slow, paged, q2, 0)
     ctl.end_step()
     during = read()  # no join: must see the published (first) sets
-    ctl.join_refresh()
+    ctl.executor.join_refresh()
     after = read()
     torch.cuda.synchronize()
     assert side.query()  # the refresh stream has drained

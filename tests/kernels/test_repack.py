@@ -1,4 +1,4 @@
-"""The repack kernels (``sfi_vllm_kernels.repack``: ``repack``, ``repack_selected``) against
+"""The repack kernels (``sfi_vllm.kernels.repack``: ``repack``, ``repack_selected``) against
 ``PagedKV.gather``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from builders import GPU_DTYPES, GPU_SHAPES, block_tables, case, paged_cache, sh
 
 def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq_lens=(4000, 700, 2500),
                  counts=(1000, 130, 64), seed=1):
-    from sfi_vllm_kernels.repack import repack
+    from sfi_vllm.kernels.repack import repack
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
@@ -39,7 +39,7 @@ def check_repack_selected(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, pag
                           k=(1000, 130, 64), sinks=4, seed=2):
     """``repack_selected`` against ``PagedKV.gather`` of sinks + the selection, and its metadata
     writes (what a publish writes on the device); padding past a row's ``k`` must be ignored."""
-    from sfi_vllm_kernels.repack import repack_selected
+    from sfi_vllm.kernels.repack import repack_selected
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)

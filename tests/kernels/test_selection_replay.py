@@ -17,7 +17,7 @@ def check_selection_replay(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=
     from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.config import SelectorConfig
     from sfi_vllm.selector import Selector, select_batched
-    from sfi_vllm_kernels.slow_scores import slow_step_scores
+    from sfi_vllm.kernels.slow_scores import slow_step_scores
 
     g = torch.Generator().manual_seed(seed)
     sel = Selector(SelectorConfig())

@@ -1,4 +1,4 @@
-"""The fused Selector kernels (``sfi_vllm_kernels.selector_scores``) against the batched torch
+"""The fused Selector kernels (``sfi_vllm.kernels.selector_scores``) against the batched torch
 Selector, for the default settings and each ablation's switches.
 
 The ``selection``-marked cases are those a change to the Selector or its settings needs."""
@@ -19,7 +19,7 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
     launch parameters of ``selector_scores`` (those ``benchmarks/selector_bench.py`` times)."""
     from sfi_vllm.config import SelectorConfig
     from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
-    from sfi_vllm_kernels.selector_scores import selector_scores
+    from sfi_vllm.kernels.selector_scores import selector_scores
 
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)

@@ -1,4 +1,4 @@
-"""The slow-step score kernel (``sfi_vllm_kernels.slow_scores``) against ``attention_probs``."""
+"""The slow-step score kernel (``sfi_vllm.kernels.slow_scores``) against ``attention_probs``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def check_slow_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
                       seq_lens=(3000, 77, 1290), seed=2):
     """Logits -> probabilities and key norms against ``attention_probs`` on the gathered keys."""
     from sfi_vllm.attention_ref import attention_probs
-    from sfi_vllm_kernels.slow_scores import slow_step_scores
+    from sfi_vllm.kernels.slow_scores import slow_step_scores
 
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)

@@ -1,4 +1,4 @@
-"""The top-K kernel (``sfi_vllm_kernels.top_k``) against ``sfi_vllm.selector.top_k_positions``."""
+"""The top-K kernel (``sfi_vllm.kernels.top_k``) against ``sfi_vllm.selector.top_k_positions``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def check_top_k(device="cuda", rows=5, hkv=8, width=35000, lo=4, kmax=2048, bloc
     ``kmax``), and on scores with many ties against the kernel's documented rule (the lower
     positions win ties), written out with a stable sort."""
     from sfi_vllm.selector import top_k_positions
-    from sfi_vllm_kernels.top_k import top_k_positions as top_k_kernel
+    from sfi_vllm.kernels.top_k import top_k_positions as top_k_kernel
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(rows, hkv, width, generator=g) * torch.logspace(-3, 2, rows)[:, None, None]

@@ -1,0 +1,130 @@
+"""CudaExecutor: the kernel path's device resources and its part of each step.
+
+One per engine (per :class:`~sfi_vllm.controller.SFIController`), attached by the first layer
+that runs the Triton kernels (:func:`executor_for`). It owns what the layers share on that path:
+
+* the refresh stream a slow step's selection and repack run on (``side_stream``), and the join
+  that orders a step's kernels after the previous step's refresh;
+* the slow step's selection graphs (:class:`~sfi_vllm.backends.selection.SlowStepSelection`) and
+  the per-step refresh (:class:`~sfi_vllm.backends.step_refresh.StepRefresh`);
+* the uniform fast path's workspace, the fused slow-step score buffers and whether the layers
+  stage their queries (``slow_in_graph``).
+
+The controller makes the host-side :class:`~sfi_vllm.controller.StepPlan`; :meth:`plan` adds
+what only this path decides (slow rows inside the step's CUDA graph, their score frames), the
+metadata builder and the layers run the step, and :meth:`finish` ends it (the staged per-step
+refresh). The reference path (CPU, ``kernels: torch``) has no executor. Nothing here touches a
+GPU until a layer asks for a stream, so the Triton-interpreter tests run it on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sfi_vllm.backends.selection import SlowStepSelection
+from sfi_vllm.backends.step_refresh import StepRefresh, graph_slow_groups, plan_score_frames, refresh_per_step
+from sfi_vllm.compact import selected_count, window_start
+from sfi_vllm.config import SFIConfig
+
+logger = logging.getLogger(__name__)
+
+
+class CudaExecutor:
+    def __init__(self, cfg: SFIConfig) -> None:
+        self.cfg = cfg
+        self.fast_workspace: torch.Tensor | None = None  # the uniform fast path's scratch (set by the impl)
+        # every layer's fused slow-step scores (FusedScoreBuffers, set by the impl when
+        # ``fused_scores_tokens`` resolves to more than 0); steps whose slow rows do not fit are counted
+        self.fused_scores = None
+        self.fused_score_misses = 0
+        # set by an impl whose layers stage their queries in the uniform launch (``graph_slow_enabled``):
+        # only then may a plan put slow rows in a full graph
+        self.graph_slow_ready = False
+        self.slow_selection = SlowStepSelection(top_k=cfg.selector_top_k)
+        self.step_refresh = StepRefresh()
+        self.refresh_pending = False  # work on the refresh stream not yet joined
+        self._refresh_stream = None
+        self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, plan, slow: list[int]) -> None:
+        """Put the plan's slow rows inside the step's CUDA graph (``plan.graph_slow``) where they
+        can all be refreshed after the step from staged queries, with their fused score frames."""
+        plan.graph_slow = self._slow_rows_fit_graph([plan.configs[i] for i in slow],
+                                                    [plan.context[i] for i in slow])
+        if plan.graph_slow and self.fused_scores is not None:
+            plan.score_layout = self._score_layout(plan)
+
+    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], contexts: list[int]) -> bool:
+        """Per-step refresh, every layer, the Selector needed for every row."""
+        if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(self.cfg.slow_refresh, contexts):
+            return False
+        for cfg, ctx in zip(cfgs, contexts):
+            k = selected_count(cfg, ctx)
+            candidates = window_start(cfg, ctx) - min(cfg.sinks, ctx)
+            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < candidates:
+                return False
+        return True
+
+    def _score_layout(self, plan) -> dict | None:
+        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
+        if layout is None:
+            if self.fused_score_misses == 0:
+                logger.warning(
+                    "sfi-vllm: a slow step's rows need more frame tokens than fused_scores_tokens (%d) "
+                    "holds; such steps score their slow rows in a second pass (counted in "
+                    "fused_score_misses)", self.fused_scores.tokens)
+            self.fused_score_misses += 1
+        return layout
+
+    def note_graph_slow(self, plan, block_table: torch.Tensor) -> None:
+        """The metadata builder made a uniform step of a plan with slow rows: they are refreshed
+        when the step ends, from the queries the fast-step kernel staged."""
+        self._graph_slow = (plan, block_table)
+
+    # -- the refresh stream -----------------------------------------------------------------------
+    def refresh_stream(self, device: torch.device):
+        """The CUDA stream slow steps' selection and repack run on, or None (inline): CPU, or
+        ``side_stream`` off. Work enqueued on it must be joined (:meth:`join_refresh`) before
+        anything reads the compact sets it writes."""
+        if device.type != "cuda" or not self.cfg.side_stream:
+            return None
+        if self._refresh_stream is None:
+            self._refresh_stream = torch.cuda.Stream(device)
+        return self._refresh_stream
+
+    def fork_refresh(self, device: torch.device):
+        """Order the refresh stream after everything enqueued so far on the current stream (this
+        layer's KV-cache writes and dense attention) and return it (None: run inline)."""
+        side = self.refresh_stream(device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+            self.refresh_pending = True
+        return side
+
+    def join_refresh(self) -> None:
+        """Make the current stream wait for all refresh work enqueued so far. Called by the metadata
+        builder at the start of every step, before any of the step's kernels is enqueued, so the
+        step's fast rows (eager or replayed from a full CUDA graph) read published sets only."""
+        if self.refresh_pending:
+            torch.cuda.current_stream(self._refresh_stream.device).wait_stream(self._refresh_stream)
+            self.refresh_pending = False
+
+    # -- the end of a step ------------------------------------------------------------------------
+    def finish(self, layers: list) -> None:
+        """After the step's forward: stage the refresh of slow rows that ran inside the graph, then
+        run every staged per-step refresh (``slow_refresh = "per_step"``)."""
+        if self._graph_slow is not None:
+            plan, block_table = self._graph_slow
+            self._graph_slow = None
+            self.step_refresh.stage_graph_slow(self, layers, plan, block_table)
+        self.step_refresh.flush(self)
+
+
+def executor_for(controller) -> CudaExecutor:
+    """The controller's kernel-path executor, created on first use."""
+    if controller.executor is None:
+        controller.executor = CudaExecutor(controller.cfg)
+    return controller.executor
