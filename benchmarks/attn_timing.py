@@ -100,7 +100,7 @@ def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform:
 
 def slow_select_us(kv, q, bt, context: int, cfg, fused_max_frame: int | None = None) -> float:
     """One layer's selection work at a slow step for every row (all rows slow), as
-    ``SFILayer._refresh_packed`` launches it: score kernel + the selection CUDA graph
+    ``PackedSFILayer._refresh_packed`` launches it: score kernel + the selection CUDA graph
     (``SlowStepSelection``, captured before timing), positions assembled, one repack.
     ``fused_max_frame`` overrides the engine's bound between the fused and the torch Selector
     (0: torch for every frame; a large number: fused for every frame)."""

@@ -40,6 +40,12 @@ class SFIConfigError(ValueError):
     """A bad SFI setting; the message names the field and the allowed range."""
 
 
+def EngineField(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pydantic's Field
+    """A field fixed when the engine starts (it sizes buffers, picks kernels, streams and graphs, or
+    builds the trigger's vocabulary): a request's own settings may not change it."""
+    return Field(*args, json_schema_extra={"scope": "engine"}, **kwargs)
+
+
 class SelectorConfig(BaseModel):
     """Constants of the Selector (evidence pooling, prior, fusion, soft-NMS, exclusivity)."""
 
@@ -123,11 +129,11 @@ class SFIConfig(BaseModel):
         "next_token",
         description="fire on the first token after the ender (authors) or on the ender itself",
     )
-    newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
-    boundary_token_ids: list[int] | None = Field(
+    newline_is_boundary: bool = EngineField(True, description="newline tokens end a sentence too")
+    boundary_token_ids: list[int] | None = EngineField(
         None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
     )
-    boundary_read: Literal["auto", "exact", "lagged"] = Field(
+    boundary_read: Literal["auto", "exact", "lagged"] = EngineField(
         "auto",
         description="how the boundary trigger learns the sampled tokens. exact: a step whose "
         "decision needs its input token reads it to the host (on a GPU a device sync that waits for "
@@ -162,16 +168,16 @@ class SFIConfig(BaseModel):
     )
 
     selector: SelectorConfig = Field(default_factory=SelectorConfig)
-    kernels: Literal["auto", "triton", "torch"] = Field(
+    kernels: Literal["auto", "triton", "torch"] = EngineField(
         "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
     )
-    side_stream: bool = Field(
+    side_stream: bool = EngineField(
         True,
         description="GPU kernel path: run the slow step's selection and repack on a second CUDA "
         "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
     )
 
-    slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
+    slow_refresh: Literal["auto", "per_layer", "per_step"] = EngineField(
         "auto",
         description="GPU kernel path: a slow step re-selects each layer right after its dense "
         "attention (per_layer), or every layer at once after the step's last layer, replayed from "
@@ -179,7 +185,7 @@ class SFIConfig(BaseModel):
         "per_step while the slow rows hold at most 512K tokens in all",
     )
 
-    slow_in_graph: bool | None = Field(
+    slow_in_graph: bool | None = EngineField(
         None,
         description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
         "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
@@ -188,7 +194,7 @@ class SFIConfig(BaseModel):
         "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
         "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
     )
-    fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
+    fused_scores_tokens: Literal["auto"] | NonNegativeInt = EngineField(
         "auto",
         description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
         "kernel that attends densely for the slow rows also writes their logits and key norms, so "
@@ -199,7 +205,7 @@ class SFIConfig(BaseModel):
         "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
         "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
     )
-    selector_top_k: Literal["torch", "triton"] = Field(
+    selector_top_k: Literal["torch", "triton"] = EngineField(
         "torch",
         description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
         "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
@@ -207,7 +213,7 @@ class SFIConfig(BaseModel):
         "lower positions; token-level selection only: page selection always takes torch's)",
     )
 
-    compact_memory_gib: float | None = Field(
+    compact_memory_gib: float | None = EngineField(
         None, gt=0.0, le=1 << 20,
         description="memory of the compact-set pool, in GiB: as many sequences get a compact set at "
         "once as it holds (at most max_num_seqs); a request that finds the pool full runs densely "
@@ -216,7 +222,7 @@ class SFIConfig(BaseModel):
     )
 
     # Observability.
-    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
+    stats_file: str | None = EngineField(None, description="append per-request statistics (JSON lines); "
                                      "under tensor/pipeline parallelism the rank-0 worker writes them")
 
     @model_validator(mode="before")
@@ -413,3 +419,10 @@ def config_from_vllm(vllm_config: Any) -> SFIConfig:
             f"--additional-config: the {ADDITIONAL_CONFIG_KEY!r} key must be a JSON object; got {sfi!r}"
         )
     return build_config(sfi)
+
+
+def engine_fields() -> tuple[str, ...]:
+    """The SFIConfig fields fixed at start-up (declared with :func:`EngineField`); every other
+    field may be set per request."""
+    return tuple(name for name, f in SFIConfig.model_fields.items()
+                 if (f.json_schema_extra or {}).get("scope") == "engine")

@@ -32,16 +32,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, preset_values
+from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, preset_values
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
 
-# SFIConfig fields that a request's own settings cannot change: they size buffers, pick kernels,
-# streams and graphs, or build the trigger's vocabulary when the engine starts.
-REQUEST_FIXED_KEYS = ("kernels", "side_stream", "slow_refresh", "slow_in_graph", "fused_scores_tokens",
-                      "selector_top_k", "stats_file", "boundary_token_ids", "newline_is_boundary", "boundary_read",
-                      "compact_memory_gib")
+# SFIConfig fields that a request's own settings cannot change: those declared with EngineField
+# (they size buffers, pick kernels, streams and graphs, or build the trigger's vocabulary)
+REQUEST_FIXED_KEYS = engine_fields()
 
 
 class SFIRequestError(SFIConfigError):

@@ -175,3 +175,20 @@ def test_a_request_merges_over_the_engine_as_resolved_not_over_its_preset_again(
     assert (k.selected_tokens, k.selected_fraction) == (512, None)
     back = merge_request_config(build_config({}, use_env=False), {"selected_fraction": 0.1})
     assert (back.selected_tokens, back.selected_fraction) == (None, 0.1)
+
+
+def test_the_engine_wide_fields_are_declared_on_the_model_and_refused_per_request():
+    """The settings a request may not change come from the fields' declarations (EngineField), so
+    a new engine-wide field is refused per request and shown as such in the README's table."""
+    from sfi_vllm.config import SFIConfig, engine_fields
+
+    assert REQUEST_FIXED_KEYS == engine_fields()
+    assert {"kernels", "side_stream", "compact_memory_gib", "stats_file"} <= set(REQUEST_FIXED_KEYS)
+    assert not {"sinks", "selected_tokens", "policy", "selector"} & set(REQUEST_FIXED_KEYS)
+    lim = limits()
+    other = {"kernels": "torch", "side_stream": False, "stats_file": "/tmp/x.jsonl", "compact_memory_gib": 1.0}
+    for key, value in other.items():
+        assert getattr(lim.cfg, key) != value
+        with pytest.raises(SFIRequestError, match=f"sfi.{key} is an engine-wide setting"):
+            resolve_request_config(lim, {f"sfi_{key}": value})
+    assert all(SFIConfig.model_fields[k].json_schema_extra == {"scope": "engine"} for k in REQUEST_FIXED_KEYS)

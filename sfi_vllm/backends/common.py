@@ -9,9 +9,10 @@ Per layer (impl): after the dense kernel ran, refresh the selection of slow rows
 the decode query's attention probabilities, then pack the compact set), and compute fast rows:
 with the plain-torch reference (CPU, ``sfi.kernels=torch``), or on the GPU with the Triton
 kernels (score kernel + batched Selector + one repack for slow rows, one fast-step launch for the
-fast rows through tables made once per step). The GPU path also has *uniform* steps (every row
-one decode token, none slow): one fixed-shape launch over all rows that CUDA graphs capture
-(``SFILayer.fast_uniform``; the CUDA builder decides, see ``backends/cuda.py``).
+fast rows through tables made once per step: ``backends/packed_layer.py``). The GPU path also has
+*uniform* steps (every row one decode token, none slow): one fixed-shape launch over all rows that
+CUDA graphs capture (``PackedSFILayer.fast_uniform``; the CUDA builder decides, see
+``backends/cuda.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from typing import Any, Callable
 import torch
 
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
-from sfi_vllm.backends.step_refresh import refresh_per_step
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
-from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
@@ -242,23 +241,21 @@ def layer_index(layer: Any, fallback: int) -> int:
 
 
 class SFILayer:
-    """The SFI state and work of one attention layer (held by the backend's impl).
+    """The SFI state and work of one attention layer (held by the backend's impl), in plain torch:
+    the reference path (CPU, ``kernels: torch``) and the specification of the kernel path
+    (:class:`~sfi_vllm.backends.packed_layer.PackedSFILayer`).
 
     Each row follows its own config (``plan.configs``): the engine's, or its request's overrides.
     """
 
     def __init__(self, controller: SFIController, num_heads: int, num_kv_heads: int,
-                 head_size: int, scale: float, packed: PackedCompactBuffer | None = None) -> None:
+                 head_size: int, scale: float, buffer: CompactBuffer | None = None) -> None:
         self.controller = controller
-        # packed: preallocated storage read by the Triton fast-step kernel (GPU); else the
-        # plain-torch reference storage
-        self.packed = packed
-        self.buffer = packed if packed is not None else CompactBuffer()
+        self.buffer = buffer if buffer is not None else CompactBuffer()  # the plain-torch storage
+        self.packed: PackedCompactBuffer | None = None  # the kernel path's storage (PackedSFILayer)
+        self.executor = None  # the kernel path's shared device resources (PackedSFILayer)
         self.index = controller.register_buffer(self.buffer)
         controller.layers.append(self)
-        # the kernel path's shared device resources (refresh stream, selection graphs, per-step
-        # refresh, fused scores); None on the reference path
-        self.executor = executor_for(controller) if packed is not None else None
         # slow_in_graph: this layer's copy of every row's query, written by the uniform launch
         # (persistent: a captured graph holds its address); and the layer's KV views, noted at its
         # eager calls, for a refresh made after a step that ran as a graph
@@ -284,45 +281,6 @@ class SFILayer:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
         plan = step.plan
         rows = [r for r in step.slow_rows if self.refreshes(plan, r, layer_idx)]
-        if self.packed is not None:
-            groups: dict = {}
-            for r in rows:  # rows that share selector settings and sinks are scored together
-                cfg = plan.configs[r]
-                groups.setdefault((cfg.selector, min(cfg.sinks, step.seq_lens[r])), []).append(r)
-            if not groups:
-                return
-            dev = query.device
-            # Inputs the refresh reads from vLLM's buffers are copied on this stream first: vLLM
-            # may reuse the query's memory once this layer returns and rewrites the block table
-            # before the next step. The rest runs on the refresh stream when there is one.
-            jobs = []
-            mode = self.controller.cfg.slow_refresh
-            for (_, sinks), group in groups.items():
-                key = ("refresh", tuple(group))
-                if key not in step.layer_cache:  # once per step: the same for every layer
-                    step.layer_cache[key] = (_to_device([step.row_token[r] for r in group], dev),
-                                             step.block_table[_to_device(group, dev)].to(torch.int32),
-                                             refresh_per_step(mode, [step.seq_lens[r] for r in group])
-                                             and all_scored(plan, step, group, sinks))
-                tok, bt, deferred = step.layer_cache[key]
-                if deferred:  # staged now, selected with every other layer when the step ends
-                    self.executor.step_refresh.record(step, self, paged, query, group, tok, bt, sinks,
-                                                      len(self.controller.buffers))
-                else:
-                    jobs.append((group, query[tok], bt))
-            if not jobs:
-                return
-            side = self.executor.fork_refresh(dev)
-            if side is None:
-                for group, q_rows, bt in jobs:
-                    self._refresh_packed(step, paged, q_rows, bt, group)
-                return
-            with torch.cuda.stream(side):
-                for group, q_rows, bt in jobs:
-                    q_rows.record_stream(side)  # allocated on the current stream, used on the side
-                    bt.record_stream(side)
-                    self._refresh_packed(step, paged, q_rows, bt, group)
-            return
         t0 = time.perf_counter()  # the reference path runs synchronously on the host: timed
         for row in rows:
             cfg = plan.configs[row]
@@ -343,70 +301,13 @@ class SFILayer:
         if rows and query.device.type == "cpu":
             self.controller.stats.observe_selection(time.perf_counter() - t0)
 
-    def _refresh_packed(self, step: SFIStep, paged: PagedKV, q_rows: torch.Tensor, bt: torch.Tensor,
-                        rows: list[int]) -> None:
-        """Slow rows of one selector setting, batched (``q_rows (R, Hq, D)`` and ``bt (R, .)``
-        int32: their queries and block-table rows): scores from the Triton score kernel, the
-        Selector's fused kernels + top-K (replayed from a CUDA graph:
-        :class:`sfi_vllm.backends.selection.SlowStepSelection`), one repack launch."""
-        plan, buf = step.plan, self.packed
-        assert buf is not None
-        cfg0 = plan.configs[rows[0]]
-        ctx = [step.seq_lens[r] for r in rows]
-        ws = [window_start(plan.configs[r], c) for r, c in zip(rows, ctx)]
-        sinks = min(cfg0.sinks, ctx[0])
-        k = [selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)]
-        dev = q_rows.device
-        hkv = self.num_kv_heads
-        kmax = max(k)
-        scored = [i for i, r in enumerate(rows) if 0 < k[i] < ws[i] - sinks]
-        key = ("positions", tuple(rows), sinks)
-        if key not in step.layer_cache:
-            # Per step, shared by the layers (written and read in stream order): sinks and the
-            # rows whose candidates all fit are the same in every layer; the scored rows'
-            # selections are overwritten by each layer.
-            positions = torch.empty(len(rows), hkv, sinks + kmax, dtype=torch.long, device=dev)
-            positions[..., :sinks] = torch.arange(sinks, device=dev)
-            for i in range(len(rows)):
-                if i not in scored and k[i] > 0:  # nothing to select, or every candidate fits
-                    positions[i, :, sinks:sinks + k[i]] = torch.arange(sinks, sinks + k[i], device=dev)
-            step.layer_cache[key] = (positions,
-                                     _to_device(scored, dev) if 0 < len(scored) < len(rows) else None,
-                                     tensor_to_device([ctx[i] for i in scored], dev, torch.int32) if scored else None)
-        positions, sub, seq = step.layer_cache[key]
-        if scored:
-            key_cache, _ = paged.nhd_views()
-            all_scored = sub is None
-            sel = self.executor.slow_selection.select(
-                self.selector(cfg0), q_rows if all_scored else q_rows[sub], key_cache,
-                bt if all_scored else bt[sub], seq,
-                [ctx[i] for i in scored], sinks, [ws[i] for i in scored], [k[i] for i in scored], self.scale,
-                step=self.controller.planned_steps)
-            if all_scored:
-                positions[:, :, sinks:sinks + sel.shape[-1]] = sel
-            else:
-                positions[sub, :, sinks:sinks + sel.shape[-1]] = sel
-        buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
-                      positions, [sinks + kk for kk in k], ws, cache=step.layer_cache)
-
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
+        self._fast_reference(step, paged, query, output, step.fast_rows)
+
+    def _fast_reference(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor,
+                        rows: list[int]) -> None:
         plan = step.plan
-        rows = step.fast_rows
-        if self.packed is not None:
-            kernel_rows = [r for r in rows if plan.configs[r].policy != "quest"]
-            self._fast_packed(step, paged, query, output, kernel_rows)
-            rows = [r for r in rows if plan.configs[r].policy == "quest"]
-            if rows and self.head_size & (self.head_size - 1) == 0:
-                groups: dict = {}
-                for r in rows:  # rows of one page size and sink count are selected together
-                    cfg = plan.configs[r]
-                    if cfg.quest_page <= 128:
-                        groups.setdefault((cfg.quest_page, min(cfg.sinks, step.seq_lens[r])), []).append(r)
-                for (page, sinks), group in groups.items():
-                    self._quest_packed(step, paged, query, output, group, page, sinks)
-                done = {r for g in groups.values() for r in g}
-                rows = [r for r in rows if r not in done]  # pages over 128 tokens: the reference
         for row in rows:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
@@ -429,125 +330,8 @@ class SFILayer:
             output[t] = out.view_as(output[t]).to(output.dtype)
             self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
 
-    def _quest_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor,
-                      rows: list[int], page: int, sinks: int) -> None:
-        """Quest-style rows of one page size and sink count, batched (the GPU kernel path of
-        :meth:`_quest_set`): page scores in one launch (``sfi_vllm.kernels.quest_pages``), top
-        pages per row and KV head, sinks + pages repacked into each row's compact set (published
-        at once: the set serves this step only), then the fast-step kernel over set + window."""
-        from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention
-        from sfi_vllm.kernels.quest_pages import quest_page_scores
-
-        from sfi_vllm.selector import top_k_positions
-
-        plan, buf = step.plan, self.packed
-        assert buf is not None
-        dev = query.device
-        hkv = self.num_kv_heads
-        ctx = [step.seq_lens[r] for r in rows]
-        lo, n_pages, budget, ws = [], [], [], []
-        for r, c in zip(rows, ctx):
-            cfg = plan.configs[r]
-            w = window_start(cfg, c)
-            n = (w - sinks) // page  # whole pages between the sinks and the window
-            k = min(n, cfg.selected_budget(c) // page)
-            lo.append(w - n * page)  # pages end at the window; a remainder joins the window's left
-            n_pages.append(n)
-            budget.append(k)
-            ws.append(w - n * page if k == n else w)
-        kmax = max(budget)
-        positions = torch.zeros(len(rows), hkv, sinks + kmax * page, dtype=torch.int32, device=dev)
-        positions[..., :sinks] = torch.arange(sinks, device=dev, dtype=torch.int32)
-        tok_idx = _to_device([step.row_token[r] for r in rows], dev)
-        row_idx = _to_device(rows, dev)
-        bt = step.block_table[row_idx].to(torch.int32)
-        scored = [i for i in range(len(rows)) if 0 < budget[i] < n_pages[i]]
-        if scored:
-            sub = _to_device(scored, dev)
-            meta = tensor_to_device([[lo[i] for i in scored], [n_pages[i] for i in scored]], dev, torch.int32)
-            key_cache, _ = paged.nhd_views()
-            scores = quest_page_scores(query[tok_idx[sub]], key_cache, bt[sub], meta[0], meta[1], page,
-                                       max(n_pages[i] for i in scored))
-            k_dev = tensor_to_device([budget[i] for i in scored], dev)
-            kk = max(budget[i] for i in scored)
-            top = top_k_positions(scores, 0, k_dev, kk)  # (S, Hkv, kk) page indices, ascending
-            tok = meta[0].long()[:, None, None, None] + top[..., None] * page + torch.arange(page, device=dev)
-            positions[sub, :, sinks:sinks + kk * page] = tok.flatten(2).to(torch.int32)
-        # rows with every page in budget take them through the window (ws = lo), none: sinks only
-        counts = [sinks + (budget[i] * page if i in scored else 0) for i in range(len(rows))]
-        buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
-                      positions, counts, ws)
-        host = tensor_to_device([[plan.slots[r] for r in rows], ctx], dev, torch.int32)
-        key_cache, value_cache = paged.nhd_views()
-        max_keys = max(n + c - w for n, c, w in zip(counts, ctx, ws))
-        out = fast_decode_attention(
-            query[tok_idx], buf.keys, buf.values, key_cache, value_cache, bt, host[0],
-            torch.zeros_like(host[0]), host[1], buf.length_dev, buf.window_start_dev, self.scale,
-            default_num_splits(len(rows), hkv, max_keys), slot_map=buf.slot_map_dev)
-        output[tok_idx] = out.to(output.dtype)
-        for r, n, c, w in zip(rows, counts, ctx, ws):
-            self.controller.stats.record_fast_layer(plan.req_ids[r], n + c - w, c)
-
     def _window_start(self, cfg, ctx: int, selected_at: int) -> int:
         return max(selected_at, window_start(cfg, ctx)) if cfg.slides_window else selected_at
-
-    def _fast_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor,
-                     output: torch.Tensor, rows: list[int]) -> None:
-        """All ``rows`` in one launch of the Triton fast-step kernel (tables made once per step)."""
-        if not rows:
-            return
-        from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention
-
-        plan, buf, tables = step.plan, self.packed, step.fast_tables
-        assert buf is not None and tables is not None and tables.rows == len(rows)
-        max_keys = 0
-        for row in rows:
-            slot = plan.slots[row]
-            if not buf.valid(slot, plan.generations[row]):
-                raise RuntimeError(
-                    f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
-                    "(a slow step must come first); this is a bug"
-                )
-            max_keys = max(max_keys, buf.length[slot] + step.seq_lens[row] - buf.window_start[slot])
-        key_cache, value_cache = paged.nhd_views()
-        assert tables.token is not None
-        out = fast_decode_attention(
-            query[tables.token], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
-            tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys), slot_map=buf.slot_map_dev)
-        output[tables.token] = out.to(output.dtype)
-
-    def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
-                     output: torch.Tensor, workspace: torch.Tensor) -> None:
-        """Every row one decode token (fast rows read their compact set, the others attend
-        densely): one launch with fixed shapes that reads only device tables, so it can be
-        captured in a full CUDA graph and replayed with the tables of later steps."""
-        from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, uniform_num_splits
-
-        buf = self.packed
-        assert buf is not None
-        b = min(tables.rows, query.shape[0])
-        splits = uniform_num_splits(b, self.num_kv_heads)
-        need = b * self.num_heads * splits * (self.head_size + 1)
-        if need > workspace.numel():
-            raise RuntimeError(f"sfi-vllm: fast-step workspace holds {workspace.numel()} floats, "
-                               f"a batch of {b} rows needs {need}")
-        acc = workspace[: b * self.num_heads * splits * self.head_size].view(
-            b, self.num_heads, splits, self.head_size)
-        lse = workspace[acc.numel(): need].view(b, self.num_heads, splits)
-        key_cache, value_cache = paged.nhd_views()
-        scores = None
-        fused = self.executor.fused_scores
-        if fused is not None and tables.scores is not None:
-            if self.index >= fused.layers:
-                raise RuntimeError(f"sfi-vllm: layer {self.index} has no fused score frames "
-                                   f"(allocated for {fused.layers} layers); this is a bug")
-            scores = ScoreFrames(*tables.scores, fused.logits, fused.norms, self.index)
-        fast_decode_attention(
-            query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
-            tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
-            stage=self.stage, scores=scores)
 
     def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
@@ -711,15 +495,15 @@ class SFIImplMixin:
                          kv_sharing_target_layer_name, sinks)
         vllm_config = get_current_vllm_config()
         self.sfi_controller = get_controller(vllm_config)
-        self.sfi = SFILayer(self.sfi_controller, num_heads, num_kv_heads, head_size,
-                            float(self.scale), self._packed_buffer(vllm_config, num_kv_heads, head_size))
+        self.sfi = self._make_layer(vllm_config, num_heads, num_kv_heads, head_size)
         self.sfi.stage = self._query_stage(vllm_config, num_heads, head_size)
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
 
-    def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
-        """Preallocated compact buffers for a kernel fast path (None: the torch reference)."""
-        return None
+    def _make_layer(self, vllm_config, num_heads: int, num_kv_heads: int, head_size: int) -> SFILayer:
+        """This layer's SFI state and work: the plain-torch reference; a platform with kernels
+        returns its own (the CUDA impl: a PackedSFILayer)."""
+        return SFILayer(self.sfi_controller, num_heads, num_kv_heads, head_size, float(self.scale))
 
     def _query_stage(self, vllm_config, num_heads: int, head_size: int) -> torch.Tensor | None:
         """``slow_in_graph``: the persistent buffer the uniform launch copies queries into."""

@@ -73,11 +73,13 @@ from sfi_vllm.backends.common import (
     SFIBackendMixin,
     SFIBuilderMixin,
     SFIImplMixin,
+    SFILayer,
     SFIStep,
     attach_fast_tables,
     uniform_tables,
 )
 from sfi_vllm.backends.cuda_executor import executor_for
+from sfi_vllm.backends.packed_layer import PackedSFILayer
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.paged_kv import PagedKV
 
@@ -160,6 +162,12 @@ def max_uniform_rows(vllm_config) -> int:
 
 
 class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
+    def _make_layer(self, vllm_config, num_heads: int, num_kv_heads: int, head_size: int) -> SFILayer:
+        packed = self._packed_buffer(vllm_config, num_kv_heads, head_size)
+        if packed is None:  # kernels: torch
+            return super()._make_layer(vllm_config, num_heads, num_kv_heads, head_size)
+        return PackedSFILayer(self.sfi_controller, num_heads, num_kv_heads, head_size, float(self.scale), packed)
+
     def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         from sfi_vllm.config import config_from_vllm
         from sfi_vllm.kernels.fast_decode import uniform_workspace_numel

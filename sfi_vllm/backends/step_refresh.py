@@ -1,6 +1,6 @@
 """StepRefresh: a slow step's re-selection for every layer at once, after the step's last layer.
 
-The per-layer refresh (``sfi.slow_refresh = "per_layer"``, :meth:`SFILayer._refresh_packed`) runs
+The per-layer refresh (``sfi.slow_refresh = "per_layer"``, :meth:`PackedSFILayer._refresh_packed`) runs
 score kernel, Selector, top-K and repack right after each layer's dense attention. Its host cost
 is about half a millisecond per layer (launches, small torch ops, stream switches; profiled in a
 real engine on the H200: ``benchmarks/results/profile-engine-h200.md``), which at batch 1 makes a

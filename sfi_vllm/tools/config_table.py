@@ -71,14 +71,15 @@ def _rows(model: Any, prefix: str = "") -> list[str]:
             rows += _rows(field.annotation, f"{prefix}{name}.")
             continue
         desc = " ".join((field.description or "").split()).replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_default(getattr(defaults, name))} | {_allowed(field)} | {desc} |")
+        scope = "engine" if (field.json_schema_extra or {}).get("scope") == "engine" else "request"
+        rows.append(f"| `{prefix}{name}` | {_default(getattr(defaults, name))} | {_allowed(field)} | {scope} | {desc} |")
     return rows
 
 
 def markdown_table() -> str:
     from sfi_vllm.config import SFIConfig
 
-    lines = ["| field | default | allowed | meaning |", "|---|---|---|---|", *_rows(SFIConfig)]
+    lines = ["| field | default | allowed | set per | meaning |", "|---|---|---|---|---|", *_rows(SFIConfig)]
     return "\n".join(lines) + "\n"
 
 

@@ -64,7 +64,7 @@ def device_batch(seq_lens, device, dtype, hq, hkv, d, seed=0):
 
 def refresh_stacks(configs, hq, hkv, d, dtype, device, layers):
     """One controller per config (dicts), each with ``layers`` GPU-path layers (double-buffered)."""
-    from sfi_vllm.backends.common import SFILayer
+    from sfi_vllm.backends.packed_layer import PackedSFILayer
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
@@ -74,7 +74,7 @@ def refresh_stacks(configs, hq, hkv, d, dtype, device, layers):
     for over in configs:
         ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
         cap = ctl.cfg.compact_capacity(8192)
-        stacks.append([SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+        stacks.append([PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
                                 packed=PackedCompactBuffer(8, hkv, cap, d, dtype, device, double_buffer=True))
                        for _ in range(layers)])
         ctls.append(ctl)

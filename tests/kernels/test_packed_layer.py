@@ -19,6 +19,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     step's tables; the uniform all-rows launch with a dense row and a padding row) against the
     reference layer (per-row torch selector, gathered keys, reference attention)."""
     from sfi_vllm.backends.common import FastRows, SFILayer, attach_fast_tables, fast_row_tables, make_step
+    from sfi_vllm.backends.packed_layer import PackedSFILayer
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
@@ -33,12 +34,12 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
-    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
+    fast = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)  # first: its buffer feeds the stats
     ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
     # a second GPU-path layer over the same step: it reuses what the first left in the step's
     # layer cache (index tensors, positions buffer, repack metadata) and must match as well
     packed2 = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
-    fast2 = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed2)
+    fast2 = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed2)
     paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d)
     ctx = list(seq_lens)
     slow = make_step(plan_for([StepMode.SLOW] * n, cfg=cfg, context=ctx), cam, lambda s: None)

@@ -15,6 +15,7 @@ def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     fast-step kernel) against the reference layer's per-row ``_quest_set``; the rows include one
     whose pages all fit the budget (they join the window) and one with no whole page."""
     from sfi_vllm.backends.common import SFILayer, make_step
+    from sfi_vllm.backends.packed_layer import PackedSFILayer
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
@@ -27,7 +28,7 @@ def check_quest_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
-    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
+    fast = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
     ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
     paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=3)
     step = make_step(plan_for([StepMode.FAST] * n, cfg=cfg, context=list(seq_lens)), cam, lambda s: None)

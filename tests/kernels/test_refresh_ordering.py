@@ -18,7 +18,8 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     issued before the join must read the previous (published) sets exactly, one issued after the
     join the new ones. Fails if publication is not ordered after the repack on the refresh stream
     (the poisoned spare sets would be read) or if the join does not wait (the old sets would be)."""
-    from sfi_vllm.backends.common import SFILayer, attach_fast_tables, make_step
+    from sfi_vllm.backends.common import attach_fast_tables, make_step
+    from sfi_vllm.backends.packed_layer import PackedSFILayer
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.controller import SFIController
@@ -33,7 +34,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     assert ctl.cfg.side_stream
     packed = PackedCompactBuffer(4, hkv, ctl.cfg.compact_capacity(max(seq_lens)), d, dtype, device, double_buffer=True)
-    fast = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
+    fast = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
     paged, cam, q1 = device_batch(seq_lens, device, dtype, hq, hkv, d)
     ctx = list(seq_lens)
     q2 = torch.randn(q1.shape, generator=torch.Generator().manual_seed(11)).to(device, dtype)
@@ -68,7 +69,7 @@ def check_refresh_ordering(dtype=torch.bfloat16, hq=32, hkv=8, d=128, seq_lens=(
     assert side.query()  # the refresh stream has drained
     assert torch.equal(during, old), "a fast step before the join read something other than the published sets"
     # the reference for the second selection: the same refresh inline (no second stream)
-    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
+    ref = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5,
                    packed=PackedCompactBuffer(4, hkv, packed.capacity, d, dtype, device, double_buffer=True))
     q_rows = q2[torch.tensor([slow.row_token[r] for r in range(n)], device=device)]
     ref._refresh_packed(slow, paged, q_rows, cam.block_table_tensor[:n].to(torch.int32), list(range(n)))
