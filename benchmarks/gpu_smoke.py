@@ -117,7 +117,7 @@ def main() -> int:
         # (8 rows x 4096; the default "auto" gives the same here); the agreement with
         # sfi_small_graphs is reported, not required
         "sfi_small_graphs_fused": EngineJob(**base, attention_backend="sfi",
-                                            sfi={**SMALL, "fused_scores_tokens": 8 * 4096, "selector_top_k": "triton"},
+                                            sfi={**SMALL, "fused_scores_tokens": 8 * 4096, "experimental": {"selector_top_k": "triton"}},
                                             engine_kwargs={**eng, "enforce_eager": False}),
     }
     if args.runs:

@@ -46,6 +46,25 @@ def EngineField(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pyd
     return Field(*args, json_schema_extra={"scope": "engine"}, **kwargs)
 
 
+class ExperimentalConfig(BaseModel):
+    """Options kept for comparison runs: measured, not better than the default where it matters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    selector_top_k: Literal["torch", "triton"] = Field(
+        "torch",
+        description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
+        "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
+        "score by radix select and writes the chosen positions in order (triton: slower than torch "
+        "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
+        "token-level selection only: page selection always takes torch's)",
+    )
+
+
+# top-level fields that moved into a nested model: their new place
+MOVED_FIELDS = {"selector_top_k": "experimental.selector_top_k"}
+
+
 class SelectorConfig(BaseModel):
     """Constants of the Selector (evidence pooling, prior, fusion, soft-NMS, exclusivity)."""
 
@@ -205,13 +224,7 @@ class SFIConfig(BaseModel):
         "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
         "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
     )
-    selector_top_k: Literal["torch", "triton"] = EngineField(
-        "torch",
-        description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
-        "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
-        "score by radix select and writes the chosen positions in order (triton; ties go to the "
-        "lower positions; token-level selection only: page selection always takes torch's)",
-    )
+    experimental: ExperimentalConfig = EngineField(default_factory=ExperimentalConfig)
 
     compact_memory_gib: float | None = EngineField(
         None, gt=0.0, le=1 << 20,
@@ -224,6 +237,15 @@ class SFIConfig(BaseModel):
     # Observability.
     stats_file: str | None = EngineField(None, description="append per-request statistics (JSON lines); "
                                      "under tensor/pipeline parallelism the rank-0 worker writes them")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"sfi.{old} moved to sfi.{new}")
+        return data
 
     @model_validator(mode="before")
     @classmethod

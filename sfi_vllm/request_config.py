@@ -204,7 +204,7 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, overrides: Mappin
     engine = limits.cfg
     for key in REQUEST_FIXED_KEYS:
         if key in overrides and getattr(cfg, key) != getattr(engine, key):
-            name = names.get((key,), f"sfi.{key}")
+            name = names.get((key,)) or next((n for p, n in names.items() if p[:1] == (key,)), f"sfi.{key}")
             raise SFIRequestError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
                                   f"(engine: {getattr(engine, key)!r}, request: {overrides[key]!r}); "
                                   "set it in the engine's --additional-config", name)

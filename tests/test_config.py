@@ -47,7 +47,8 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": 8192, "kernels": "torch"}, "fused_scores_tokens needs slow steps inside"),
         ({"fused_scores_tokens": -1}, "sfi.fused_scores_tokens"),
         ({"fused_scores_tokens": "max"}, "sfi.fused_scores_tokens"),
-        ({"selector_top_k": "cub"}, "sfi.selector_top_k"),
+        ({"experimental": {"selector_top_k": "cub"}}, "sfi.experimental.selector_top_k"),
+        ({"selector_top_k": "triton"}, "sfi.selector_top_k moved to sfi.experimental.selector_top_k"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):

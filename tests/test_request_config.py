@@ -26,13 +26,17 @@ def limits(sfi=ENGINE, max_model_len=1024):
 
 
 def test_flat_keys_come_from_the_models_fields_and_do_not_clash():
+    from sfi_vllm.config import ExperimentalConfig
+
     keys = flat_keys()
-    nested = [n for n, f in SFIConfig.model_fields.items() if f.annotation is SelectorConfig]
-    assert nested == ["selector"]
-    top = {f"sfi_{n}" for n in SFIConfig.model_fields if n != "selector"}
-    inner = {f"sfi_selector_{n}" for n in SelectorConfig.model_fields}
+    nested = {n: f.annotation for n, f in SFIConfig.model_fields.items() if isinstance(f.annotation, type)
+              and issubclass(f.annotation, (SelectorConfig, ExperimentalConfig))}
+    assert nested == {"selector": SelectorConfig, "experimental": ExperimentalConfig}
+    top = {f"sfi_{n}" for n in SFIConfig.model_fields if n not in nested}
+    inner = {f"sfi_{outer}_{n}" for outer, model in nested.items() for n in model.model_fields}
     assert not top & inner, f"flat keys clash: {top & inner}"  # a new field must not shadow another
     assert set(keys) == top | inner
+    assert keys["sfi_experimental_selector_top_k"] == ("experimental", "selector_top_k")
     assert keys["sfi_selector_alpha"] == ("selector", "alpha") and keys["sfi_policy"] == ("policy",)
 
 
@@ -192,3 +196,16 @@ def test_the_engine_wide_fields_are_declared_on_the_model_and_refused_per_reques
         with pytest.raises(SFIRequestError, match=f"sfi.{key} is an engine-wide setting"):
             resolve_request_config(lim, {f"sfi_{key}": value})
     assert all(SFIConfig.model_fields[k].json_schema_extra == {"scope": "engine"} for k in REQUEST_FIXED_KEYS)
+
+
+def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it():
+    lim = limits()
+    with pytest.raises(SFIRequestError, match="sfi.experimental is an engine-wide setting") as e:
+        resolve_request_config(lim, {"sfi_experimental_selector_top_k": "triton"})
+    assert e.value.param == "vllm_xargs.sfi_experimental_selector_top_k"
+    same = resolve_request_config(lim, {"sfi": {"experimental": {"selector_top_k": "torch"}}})
+    assert same.experimental.selector_top_k == "torch"
+    with pytest.raises(SFIRequestError, match="unknown SFI setting; allowed: .*sfi_experimental_selector_top_k"):
+        resolve_request_config(lim, {"sfi_selector_top_k": "triton"})
+    with pytest.raises(SFIRequestError, match="unknown SFI setting .selector_top_k.; allowed: .*experimental"):
+        resolve_request_config(lim, {"sfi": {"selector_top_k": "triton"}})

@@ -42,7 +42,7 @@ class CudaExecutor:
         # set by an impl whose layers stage their queries in the uniform launch (``graph_slow_enabled``):
         # only then may a plan put slow rows in a full graph
         self.graph_slow_ready = False
-        self.slow_selection = SlowStepSelection(top_k=cfg.selector_top_k)
+        self.slow_selection = SlowStepSelection(top_k=cfg.experimental.selector_top_k)
         self.step_refresh = StepRefresh()
         self.refresh_pending = False  # work on the refresh stream not yet joined
         self._refresh_stream = None

@@ -40,7 +40,7 @@ from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 logger = logging.getLogger("sfi_vllm")
 
 def top_k_function(kind: str, page_size: int = 0):
-    """``sfi.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
+    """``sfi.experimental.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
     :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm.kernels.top_k``).
     Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
     score plus the in-page order), which the kernel's float32 radix select does not take."""
@@ -87,7 +87,7 @@ class SlowStepSelection:
     def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME,
                  capture_after: int = CAPTURE_AFTER, top_k: str = "torch") -> None:
         self.max_graphs = max_graphs
-        self.top_k_kind = top_k  # sfi.selector_top_k
+        self.top_k_kind = top_k  # sfi.experimental.selector_top_k
         top_k_function(top_k)  # validates the kind
         self.fused_max_frame = fused_max_frame
         self.capture_after = capture_after

@@ -350,7 +350,7 @@ class StepRefresh:
 
         selector = layer0.selector(job.cfg)
         fused = selector.cfg.smooth_kernel <= 1 and width <= self.fused_max_frame
-        top_k = top_k_function(job.cfg.selector_top_k, selector.cfg.page_size)  # an engine-wide setting
+        top_k = top_k_function(job.cfg.experimental.selector_top_k, selector.cfg.page_size)  # an engine-wide setting
         scale = layer0.scale
 
         def body() -> None:

@@ -62,16 +62,16 @@ def _default(value: Any) -> str:
     return f"`{value}`"
 
 
-def _rows(model: Any, prefix: str = "") -> list[str]:
+def _rows(model: Any, prefix: str = "", outer_scope: str | None = None) -> list[str]:
     defaults = model()
     rows = []
     for name, field in model.model_fields.items():
+        scope = outer_scope or ("engine" if (field.json_schema_extra or {}).get("scope") == "engine" else "request")
         sub = getattr(field.annotation, "model_fields", None)
         if sub is not None:
-            rows += _rows(field.annotation, f"{prefix}{name}.")
+            rows += _rows(field.annotation, f"{prefix}{name}.", scope)
             continue
         desc = " ".join((field.description or "").split()).replace("|", "\\|")
-        scope = "engine" if (field.json_schema_extra or {}).get("scope") == "engine" else "request"
         rows.append(f"| `{prefix}{name}` | {_default(getattr(defaults, name))} | {_allowed(field)} | {scope} | {desc} |")
     return rows
 

@@ -142,7 +142,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
     outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
     (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
-    the refresh reads them instead of running the score kernel. ``top_k``: ``selector_top_k`` of
+    the refresh reads them instead of running the score kernel. ``top_k``: ``experimental.selector_top_k`` of
     the graph step's engine (the reference's is torch's)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import make_step, uniform_tables
@@ -159,7 +159,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
-                                              "fused_scores_tokens": tokens, "selector_top_k": top_k}],
+                                              "fused_scores_tokens": tokens, "experimental": {"selector_top_k": top_k}}],
                                             hq, hkv, d, dtype, device, layers)
     ctl.executor.step_refresh = StepRefresh(capture_after=2)
     ctl.executor.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
