@@ -394,9 +394,12 @@ _ON_NEW_CONTROLLER: list = []
 
 
 def on_new_controller(callback) -> None:
-    """Call ``callback(controller)`` whenever :func:`get_controller` creates a controller."""
+    """Call ``callback(controller)`` whenever :func:`get_controller` creates a controller (and
+    now, for the process's controller if there is one already)."""
     if callback not in _ON_NEW_CONTROLLER:
         _ON_NEW_CONTROLLER.append(callback)
+        if _CONTROLLER is not None:
+            callback(_CONTROLLER)
 
 
 def get_controller(vllm_config: Any | None = None) -> SFIController:

@@ -268,3 +268,22 @@ def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_t
         ctl = controller(extra, staged)
         p = ctl.plan_step(["a"], np.array([1]), np.array([1000]), [1000], torch.tensor([1]))
         assert p.modes == [StepMode.SLOW] and not p.graph_slow and p.needs_eager, extra
+
+
+def test_new_controller_callbacks_fire_for_each_new_controller_and_an_existing_one():
+    """The plugin installs the model runner's hooks through this (sfi_vllm.plugin)."""
+    from sfi_vllm import controller as controller_module
+
+    seen = []
+    controller_module.reset_controller()
+    try:
+        first = controller_module.get_controller(fake_vllm_config({"bridge_steps": 0}))
+        controller_module.on_new_controller(seen.append)  # registered after: called for it at once
+        assert seen == [first]
+        second = controller_module.get_controller(fake_vllm_config({"bridge_steps": 0}))  # a new engine
+        assert second is not first and seen == [first, second]
+        controller_module.on_new_controller(seen.append)  # once per callback
+        assert seen == [first, second]
+    finally:
+        controller_module._ON_NEW_CONTROLLER.remove(seen.append)
+        controller_module.reset_controller()

@@ -249,7 +249,7 @@ class SFILayer:
     """
 
     def __init__(self, controller: SFIController, num_heads: int, num_kv_heads: int,
-                 head_size: int, scale: float, buffer: CompactBuffer | None = None) -> None:
+                 head_size: int, scale: float, buffer: CompactBuffer | PackedCompactBuffer | None = None) -> None:
         self.controller = controller
         self.buffer = buffer if buffer is not None else CompactBuffer()  # the plain-torch storage
         self.packed: PackedCompactBuffer | None = None  # the kernel path's storage (PackedSFILayer)

@@ -183,7 +183,7 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             # (they run one after another on one stream); allocated here so profiling counts it
             numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size)
             executor.fast_workspace = torch.empty(numel, dtype=torch.float32,
-                                             device=torch.device("cuda", torch.cuda.current_device()))
+                                                  device=torch.device("cuda", torch.cuda.current_device()))
             logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)
         slots = ctl.compact_slots  # the pool (sfi_vllm.compact_pool), at most max_num_seqs
         capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))

@@ -1,7 +1,7 @@
 """CudaExecutor: the kernel path's device resources and its part of each step.
 
-One per engine (per :class:`~sfi_vllm.controller.SFIController`), attached by the first layer
-that runs the Triton kernels (:func:`executor_for`). It owns what the layers share on that path:
+One per engine (per :class:`~sfi_vllm.controller.SFIController`), attached when the CUDA impl
+builds its first layer on the Triton kernels (:func:`executor_for`, from its compact buffers). It owns what the layers share on that path:
 
 * the refresh stream a slow step's selection and repack run on (``side_stream``), and the join
   that orders a step's kernels after the previous step's refresh;
