@@ -64,9 +64,10 @@ class SFIMetrics:
                                            "fast steps: tokens attended by its fast steps over their "
                                            "contexts", buckets=FRACTION_BUCKETS)
         self.selection_seconds = Histogram("sfi_selection_seconds", "Selection and repack of one "
-                                           "layer's slow rows, host-timed; measured on the CPU "
-                                           "reference path only (on a GPU the work is asynchronous "
-                                           "and not timed)", buckets=SECONDS_BUCKETS)
+                                           "layer's slow rows: host-timed on the CPU reference path, "
+                                           "timed by CUDA events on the GPU kernel path (a per-step "
+                                           "refresh of every layer counts as that many layers, each "
+                                           "its share)", buckets=SECONDS_BUCKETS)
         if not os.environ.get(MULTIPROC_ENV):
             logger.info("sfi-vllm: %s is not set, so SFI's metrics stay in this process: a server's "
                         "/metrics shows them only when the server starts with it set to an empty "

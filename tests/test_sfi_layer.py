@@ -287,3 +287,32 @@ def test_new_controller_callbacks_fire_for_each_new_controller_and_an_existing_o
     finally:
         controller_module._ON_NEW_CONTROLLER.remove(seen.append)
         controller_module.reset_controller()
+
+
+def test_gpu_refresh_timings_are_observed_once_complete_oldest_first_per_layer():
+    """The kernel path times its refresh with CUDA events and reads them back without waiting:
+    a timing is observed once its end event has completed, as one share per layer it covered."""
+    from sfi_vllm.backends.cuda_executor import CudaExecutor
+
+    class Event:
+        def __init__(self, t_ms, done=True):
+            self.t_ms, self.done = t_ms, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.t_ms - self.t_ms
+
+    seen = []
+    ex = CudaExecutor(build_config({}, use_env=False), seen.append)
+    with ex.timed(torch.device("cpu"), 3):  # the CPU reference path times itself: nothing queued
+        pass
+    assert not ex._timings
+    late = Event(30.0, done=False)
+    ex._timings.extend([(Event(0.0), Event(6.0), 3), (Event(10.0), late, 1), (Event(40.0), Event(41.0), 1)])
+    ex.collect_timings()
+    assert seen == [0.002, 0.002, 0.002] and len(ex._timings) == 2  # the second has not finished: wait
+    late.done = True
+    ex.collect_timings()
+    assert seen[3:] == [0.02, 0.001] and not ex._timings

@@ -20,6 +20,8 @@ GPU until a layer asks for a stream, so the Triton-interpreter tests run it on t
 from __future__ import annotations
 
 import logging
+from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -31,9 +33,16 @@ from sfi_vllm.config import SFIConfig
 logger = logging.getLogger(__name__)
 
 
+# refresh timings waiting for their events (bounded: a GPU that never finishes them would stall long before)
+MAX_PENDING_TIMINGS = 4096
+
+
 class CudaExecutor:
-    def __init__(self, cfg: SFIConfig) -> None:
+    def __init__(self, cfg: SFIConfig, observe_selection=None) -> None:
         self.cfg = cfg
+        # called with the seconds of one layer's selection and repack (sfi_selection_seconds)
+        self.observe_selection = observe_selection
+        self._timings: deque = deque(maxlen=MAX_PENDING_TIMINGS)  # (start event, end event, layers)
         self.fast_workspace: torch.Tensor | None = None  # the uniform fast path's scratch (set by the impl)
         # every layer's fused slow-step scores (FusedScoreBuffers, set by the impl when
         # ``fused_scores_tokens`` resolves to more than 0); steps whose slow rows do not fit are counted
@@ -112,19 +121,45 @@ class CudaExecutor:
             torch.cuda.current_stream(self._refresh_stream.device).wait_stream(self._refresh_stream)
             self.refresh_pending = False
 
+    # -- timing the refresh ------------------------------------------------------------------------
+    @contextmanager
+    def timed(self, device: torch.device, layers: int):
+        """Time the selection and repack work enqueued inside on the current stream with a pair of
+        CUDA events, read back later without waiting (:meth:`collect_timings`) as ``layers``
+        observations of an equal share. Not on the CPU (the reference path times itself on the
+        host) and not while the stream is capturing a CUDA graph."""
+        if device.type != "cuda" or self.observe_selection is None or torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._timings.append((start, end, layers))
+
+    def collect_timings(self) -> None:
+        """Observe every timed refresh whose end event has completed, oldest first; never waits."""
+        while self._timings and self._timings[0][1].query():
+            start, end, layers = self._timings.popleft()
+            share = start.elapsed_time(end) / 1e3 / max(layers, 1)  # elapsed_time is in ms
+            for _ in range(max(layers, 1)):
+                self.observe_selection(share)
+
     # -- the end of a step ------------------------------------------------------------------------
     def finish(self, layers: list) -> None:
         """After the step's forward: stage the refresh of slow rows that ran inside the graph, then
-        run every staged per-step refresh (``slow_refresh = "per_step"``)."""
+        run every staged per-step refresh (``slow_refresh = "per_step"``), and observe the refresh
+        timings that have completed."""
         if self._graph_slow is not None:
             plan, block_table = self._graph_slow
             self._graph_slow = None
             self.step_refresh.stage_graph_slow(self, layers, plan, block_table)
         self.step_refresh.flush(self)
+        self.collect_timings()
 
 
 def executor_for(controller) -> CudaExecutor:
     """The controller's kernel-path executor, created on first use."""
     if controller.executor is None:
-        controller.executor = CudaExecutor(controller.cfg)
+        controller.executor = CudaExecutor(controller.cfg, controller.stats.observe_selection)
     return controller.executor

@@ -67,10 +67,11 @@ class PackedSFILayer(SFILayer):
             return
         side = self.executor.fork_refresh(dev)
         if side is None:
-            for group, q_rows, bt in jobs:
-                self._refresh_packed(step, paged, q_rows, bt, group)
+            with self.executor.timed(dev, 1):
+                for group, q_rows, bt in jobs:
+                    self._refresh_packed(step, paged, q_rows, bt, group)
             return
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self.executor.timed(dev, 1):
             for group, q_rows, bt in jobs:
                 q_rows.record_stream(side)  # allocated on the current stream, used on the side
                 bt.record_stream(side)

@@ -280,13 +280,15 @@ class StepRefresh:
         self._pending = {}
         dev = jobs[0].bt.device
         side = executor.refresh_stream(dev)
+        layers = len(jobs[0].layers)
         if side is None:
-            for job in jobs:
-                self._run(job)
+            with executor.timed(dev, layers):
+                for job in jobs:
+                    self._run(job)
             return
         side.wait_event(self._event)
         executor.refresh_pending = True
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), executor.timed(dev, layers):
             for job in jobs:
                 job.bt.record_stream(side)  # the step's tensor, made on the main stream
                 self._run(job)
