@@ -45,14 +45,15 @@ def top_k_function(kind: str, page_size: int = 0):
     Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
     score plus the in-page order), which the kernel's float32 radix select does not take."""
     if kind not in ("torch", "triton"):
-        raise ValueError(f"selector_top_k: unknown kind {kind!r}")
+        raise ValueError(f"experimental.selector_top_k: unknown kind {kind!r}")
     if kind == "triton" and page_size <= 1:
         from sfi_vllm.kernels.top_k import top_k_positions as kernel
 
         return kernel
     if kind == "triton" and not _TOP_K_NOTED:
         _TOP_K_NOTED.append(True)
-        logger.info("sfi-vllm: selector_top_k triton applies to token-level selection; page selection "
+        logger.info("sfi-vllm: experimental.selector_top_k triton applies to token-level selection; "
+                    "page selection "
                     "(selector.page_size %d) takes torch's top-K", page_size)
     return top_k_positions
 
