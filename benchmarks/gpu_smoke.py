@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -44,7 +46,9 @@ def serve_and_ask(model: str, port: int, log: Path) -> dict:
            "--attention-backend", "sfi", "--enforce-eager", "--max-model-len", "4096",
            "--generation-config", "vllm", "--additional-config", json.dumps({"sfi": SMALL})]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        # an empty multiprocess directory, so the engine core's sfi_* series reach /metrics
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="sfi-prom-")}
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         t0 = time.time()
         while time.time() - t0 < 240:
@@ -61,8 +65,11 @@ def serve_and_ask(model: str, port: int, log: Path) -> dict:
                                      {"Content-Type": "application/json"})
         t1 = time.time()
         resp = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        # SFI's own series from the server's Prometheus scrape (selection seconds among them)
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         return {"startup_s": round(t1 - t0, 1), "reply": resp["choices"][0]["message"]["content"],
-                "usage": resp.get("usage")}
+                "usage": resp.get("usage"),
+                "sfi_metrics": [ln for ln in scrape.splitlines() if ln.startswith("sfi_")]}
     finally:
         proc.terminate()
         try:
@@ -84,6 +91,7 @@ def main() -> int:
     ap.add_argument("--no-server", action="store_true", help="skip the `vllm serve` HTTP check")
     args = ap.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model = Path("/tmp/sfi-smol")
     t = time.time()
     convert(args.gguf, model)
@@ -101,6 +109,9 @@ def main() -> int:
         "dense_eager": EngineJob(**base, engine_kwargs=eng),
         "sfi_full_eager": EngineJob(**base, attention_backend="sfi", sfi=FULL, engine_kwargs=eng),
         "sfi_small_eager": EngineJob(**base, attention_backend="sfi", sfi=SMALL, engine_kwargs=eng),
+        # the plain-torch reference path on the GPU (no Triton kernels, no packed buffers)
+        "sfi_small_torch": EngineJob(**base, attention_backend="sfi", sfi={**SMALL, "kernels": "torch"},
+                                     engine_kwargs=eng),
         "sfi_small_graphs": EngineJob(**base, attention_backend="sfi", sfi=SMALL,
                                       engine_kwargs={**eng, "enforce_eager": False}),
         # the same without the second stream (inline refresh, single compact sets): the tokens
@@ -135,6 +146,9 @@ def main() -> int:
             results[name] = {"error": str(e)[-3000:]}
         print(f"[{name}] {time.time() - t:.0f} s", flush=True)
     dense = results["dense_eager"]
+    # every run's token ids, to compare two checkouts' runs token for token
+    (out / "tokens.json").write_text(json.dumps(
+        {name: [o["token_ids"] for o in r["outputs"]] for name, r in results.items() if "error" not in r}))
     for name, r in results.items():
         if "error" in r:
             report[name] = {"error": r["error"]}

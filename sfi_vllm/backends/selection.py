@@ -27,6 +27,7 @@ CPU, Triton's interpreter) the same body always runs eagerly.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -189,7 +190,12 @@ class SlowStepSelection:
 def capture_graph(body) -> tuple[Any, Any]:
     """``(graph, what body returned while captured)``. ``body`` runs once eagerly first, on a
     side stream (lazily initialised kernels and workspaces), then under capture; the warm-up's
-    writes are those of the replay that follows."""
+    writes are those of the replay that follows.
+
+    Python's cyclic garbage collector is off while capturing: a collection that frees an unreachable
+    ``CUDAGraph`` (an old controller's cache, say) destroys it mid-capture, which CUDA forbids and which
+    invalidates the capture (``cudaErrorStreamCaptureInvalidated``). torch no longer collects before a
+    capture, and vLLM freezes the collector around its own captures for the same reason."""
     main = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(main)
@@ -197,6 +203,12 @@ def capture_graph(body) -> tuple[Any, Any]:
         body()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = body()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = body()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out

@@ -1,0 +1,62 @@
+"""capture_graph keeps Python's cyclic collector off while a CUDA graph is being captured (a
+collection that frees an unreachable CUDAGraph mid-capture invalidates the capture). The CUDA calls
+are replaced by stand-ins that record whether the collector was on, so this runs on CPU."""
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+from sfi_vllm.backends import selection
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode=None):
+        seen.append(("capture", gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return seen
+
+
+def test_collector_is_off_during_capture_and_restored(fake_cuda):
+    assert gc.isenabled()
+    calls = []
+    graph, out = selection.capture_graph(lambda: calls.append(gc.isenabled()) or len(calls))
+    assert graph == "graph" and out == 2
+    assert calls == [True, False]  # warm-up with the collector on, the captured run with it off
+    assert fake_cuda == [("capture", False)]
+    assert gc.isenabled()
+
+
+def test_collector_restored_when_capture_fails(fake_cuda):
+    def body():
+        if not gc.isenabled():
+            raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        selection.capture_graph(body)
+    assert gc.isenabled()
+
+
+def test_collector_left_off_when_it_was_off(fake_cuda):
+    gc.disable()
+    try:
+        selection.capture_graph(lambda: None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
