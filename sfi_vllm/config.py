@@ -114,6 +114,14 @@ class SFIConfig(BaseModel):
     preset: Literal["balanced", "speed", "paper"] | None = Field(
         None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
     )
+    mode: Literal["lossy", "lossless"] = EngineField(
+        "lossy",
+        description="lossy: decode steps attend to the working set (fast) or densely (slow), and "
+        "the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
+        "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
+        "method draft_model and this model), whose tokens the model verifies with dense attention: "
+        "greedy output is dense's, sampled output follows dense's distribution (docs/lossless.md)",
+    )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
         "sfi",
         description="sfi; or a baseline in the same backend: dense, streaming (sinks + sliding "

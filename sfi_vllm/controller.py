@@ -66,6 +66,14 @@ class StepPlan:
     # fused scores (``fused_scores_tokens``) of a graph_slow plan: each group of slow rows'
     # (offset, frame width) in the executor's FusedScoreBuffers; None: scored in a second pass
     score_layout: dict | None = None
+    # the token each row's SFI work reads as its query (None: the row's first token); a drafter's
+    # first pass re-selects from its last token (sfi_vllm.lossless)
+    query_tokens: list[int] | None = None
+    # sfi.mode lossless: the model's own step (dense; it verifies the drafts), with each row's
+    # drafted tokens and whether the step samples for the row (the drafter then drafts for it)
+    verify: bool = False
+    drafted: list[int] | None = None
+    sampled: list[bool] | None = None
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
@@ -116,6 +124,8 @@ class SFIController:
         self.executor = None
         self.current_plan: StepPlan | None = None
         self.planned_steps = 0
+        # sfi.mode lossless: SFI attends in the drafter's layers only (sfi_vllm.lossless)
+        self.lossless = cfg.mode == "lossless"
         boundary = self._boundary_tokens(vllm_config)
         vocab = int(vllm_config.model_config.get_vocab_size())
         if boundary is not None:
@@ -325,6 +335,8 @@ class SFIController:
         n = len(req_ids)
         extra_args = request_extra_args or [None] * n
         slots = [self._slot(r, x) for r, x in zip(req_ids, extra_args)]
+        if self.lossless:
+            return self._plan_verify(req_ids, slots, num_scheduled, num_computed, prompt_lens)
         modes = [int(StepMode.PREFILL)] * n
         reasons = [int(SlowReason.NONE)] * n
         context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
@@ -372,6 +384,34 @@ class SFIController:
         self.planned_steps += 1
         return plan
 
+    def _plan_verify(self, req_ids: list[str], slots: list[int], num_scheduled: np.ndarray,
+                     num_computed: np.ndarray, prompt_lens: list[int]) -> StepPlan:
+        """sfi.mode lossless: the model's step attends densely in every row (a decode row verifies
+        the tokens drafted for it); the drafter's passes are planned from this plan
+        (:func:`sfi_vllm.lossless.plan_draft`)."""
+        n = len(req_ids)
+        modes, drafted, sampled = [], [], []
+        context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
+        for i in range(n):
+            decode = int(num_computed[i]) >= prompt_lens[i]
+            if not decode:
+                self._reset(slots[i])  # (re)prefill: selections start afresh
+                self.stats.record_step(req_ids[i], int(StepMode.PREFILL), int(SlowReason.NONE), context[i])
+            modes.append(int(StepMode.DENSE if decode else StepMode.PREFILL))
+            drafted.append(int(num_scheduled[i]) - 1 if decode else 0)
+            sampled.append(context[i] >= prompt_lens[i])
+            if drafted[i] > 0:
+                self.stats.record_verify(req_ids[i], drafted[i])
+        plan = StepPlan(
+            num_reqs=n, req_ids=list(req_ids), slots=slots, generations=[self.generation[s] for s in slots],
+            modes=modes, reasons=[int(SlowReason.NONE)] * n, refresh_all=[False] * n, slow_counts=[0] * n,
+            configs=[self.slot_cfg[s] for s in slots], context=context, verify=True, drafted=drafted,
+            sampled=sampled,
+        )
+        self.current_plan = plan
+        self.planned_steps += 1
+        return plan
+
     def take_plan(self) -> StepPlan | None:
         """The plan for the metadata being built now, or None outside a planned step (profiling,
         warm-up and capture runs, which vLLM runs without scheduling requests). ``make_step``
@@ -406,7 +446,7 @@ def get_controller(vllm_config: Any | None = None) -> SFIController:
     """The process's controller, created on first use from ``vllm_config`` (and anew for each
     engine built in the same process)."""
     global _CONTROLLER
-    if vllm_config is not None and _CONTROLLER is not None and _CONTROLLER.vllm_config is not vllm_config:
+    if vllm_config is not None and _CONTROLLER is not None and not same_engine(_CONTROLLER.vllm_config, vllm_config):
         _CONTROLLER = None  # a new engine in this process
     if _CONTROLLER is None:
         if vllm_config is None:
@@ -415,6 +455,14 @@ def get_controller(vllm_config: Any | None = None) -> SFIController:
         for callback in _ON_NEW_CONTROLLER:
             callback(_CONTROLLER)
     return _CONTROLLER
+
+
+def same_engine(a: Any, b: Any) -> bool:
+    """Whether two VllmConfigs are one engine's: the same object, or the model's and its drafter's
+    (vLLM's draft_model proposer copies the model's config with ``dataclasses.replace``, which
+    keeps the speculative config object)."""
+    spec = getattr(a, "speculative_config", None)
+    return a is b or (spec is not None and spec is getattr(b, "speculative_config", None))
 
 
 def current_controller() -> SFIController | None:

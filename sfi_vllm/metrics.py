@@ -50,6 +50,12 @@ class SFIMetrics:
                                   "working set only (sinks, selected tokens, recent window)")
         self.slow_steps = Counter("sfi_slow_steps", "Decode request-steps that attended densely and "
                                   "re-selected, by what triggered them", ["reason"])
+        self.verify_steps = Counter("sfi_verify_steps", "sfi.mode lossless: request-steps in which the "
+                                    "model verified drafted tokens with dense attention")
+        self.drafted_tokens = Counter("sfi_drafted_tokens", "sfi.mode lossless: tokens the SFI drafter "
+                                      "proposed and the model verified")
+        self.accepted_tokens = Counter("sfi_accepted_tokens", "sfi.mode lossless: drafted tokens the "
+                                       "model accepted (accepted / verify steps + 1: tokens per verify step)")
         self.preemptions = Counter("sfi_preemptions", "Preemptions of SFI requests (their state is "
                                    "reset and rebuilt from the prefill)")
         self.attended = Counter("sfi_fast_attended_tokens", "Tokens attended by fast steps, summed over "
@@ -75,7 +81,7 @@ class SFIMetrics:
 
     def write(self, steps: Tally, fast_sums: list[int]) -> None:
         """Add one engine step's tallies: ``steps`` keyed by ("prefill" | "dense" | "fast" |
-        "preempted", None) or ("slow", reason); ``fast_sums`` = [attended, context, evaluations]."""
+        "preempted" | "verify" | "drafted" | "accepted", None) or ("slow", reason); ``fast_sums`` = [attended, context, evaluations]."""
         for (kind, label), n in steps.items():
             if kind == "fast":
                 self.fast_steps.inc(n)
@@ -87,6 +93,12 @@ class SFIMetrics:
                 self.prefill_steps.inc(n)
             elif kind == "preempted":
                 self.preemptions.inc(n)
+            elif kind == "verify":
+                self.verify_steps.inc(n)
+            elif kind == "drafted":
+                self.drafted_tokens.inc(n)
+            elif kind == "accepted":
+                self.accepted_tokens.inc(n)
         if fast_sums[2]:
             self.attended.inc(fast_sums[0])
             self.context.inc(fast_sums[1])

@@ -49,6 +49,11 @@ class RequestStats:
     decode_context_tokens: int = 0
     preemptions: int = 0
     policy: str = "sfi"
+    # sfi.mode lossless: the model's steps that verified drafted tokens, the tokens drafted for them
+    # and those it accepted (each verify step also samples one token of its own)
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     # why the request ran with dense attention instead of the SFI settings it asked for (None: it
     # did not); config_error holds the message when the reason is "config_error"
     fallback: str | None = None
@@ -79,8 +84,14 @@ class RequestStats:
         fast = self.fast_steps * self.mean_attended_per_fast_step
         return (fast + self.full_context_tokens) / self.decode_context_tokens
 
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify step: the accepted drafts and the model's own token (0: no verify)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["acceptance_length"] = round(self.acceptance_length, 3)
         d["slow_reasons"] = dict(self.slow_reasons)
         d["decode_steps"] = self.decode_steps
         d["mean_attended_per_fast_step"] = round(self.mean_attended_per_fast_step, 2)
@@ -94,6 +105,7 @@ REASON_NAMES = {
     SlowReason.FIRST_DECODE: "first_decode",
     SlowReason.REUSE_BUDGET: "reuse_budget",
     SlowReason.BOUNDARY: "boundary",
+    SlowReason.VERIFY: "verify",
 }
 
 
@@ -142,6 +154,19 @@ class StatsRegistry:
             self._steps["slow", name] += 1
             if len(st.slow_events) < MAX_EVENTS:
                 st.slow_events.append((st.decode_steps - 1, context_len, name))
+
+    def record_verify(self, req_id: str, drafted: int) -> None:
+        """sfi.mode lossless: the model verified ``drafted`` tokens of the request this step."""
+        st = self.get(req_id)
+        st.verify_steps += 1
+        st.drafted_tokens += drafted
+        self._steps["verify", None] += 1
+        self._steps["drafted", None] += drafted
+
+    def record_accepted(self, req_id: str, accepted: int) -> None:
+        """sfi.mode lossless: of the tokens last verified, the model accepted ``accepted``."""
+        self.get(req_id).accepted_tokens += accepted
+        self._steps["accepted", None] += accepted
 
     def record_fast_layer(self, req_id: str, attended: int, context_len: int) -> None:
         st = self.get(req_id)

@@ -48,6 +48,7 @@ class SlowReason(IntEnum):
     FIRST_DECODE = 1
     REUSE_BUDGET = 2
     BOUNDARY = 3
+    VERIFY = 4  # sfi.mode lossless: a drafter's first pass after the model verified its drafts
 
 
 @dataclass(frozen=True)

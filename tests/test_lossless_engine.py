@@ -1,0 +1,70 @@
+"""sfi.mode lossless in a real vLLM (CPU) engine on the embedded SmolLM2, float32, greedy: the
+output is token for token dense's over 256 generated tokens per prompt, at a working set (~10% of
+the context) where the drafts, which are what the lossy mode would sample from the same prefix,
+are rejected several times per request. Each engine runs in its own process (engine_job)."""
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+TOKENS = 256
+ENGINE = dict(max_model_len=2048, max_num_seqs=4, dtype="float32")
+SMALL = {"sinks": 4, "recent_window": 32, "selected_tokens": 32}
+SPEC_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from sfi_vllm.tools.model_prep import prepare_model
+
+    return str(prepare_model(progress=False))
+
+
+@pytest.fixture(scope="module")
+def requests(model_dir):
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.tools.texts import long_prompts
+
+    prompts = long_prompts(AutoTokenizer.from_pretrained(model_dir), 3, 400, seed=7)
+    # ignore_eos: every request generates all 256 tokens
+    return [{"prompt": p, "max_tokens": TOKENS, "ignore_eos": True} for p in prompts]
+
+
+def _run(model_dir, requests, **kw):
+    from sfi_vllm.tools.engine_job import EngineJob, run_engine_job
+
+    engine = dict(ENGINE, **kw.pop("engine", {}))
+    return run_engine_job(EngineJob(model=model_dir, requests=requests, engine_kwargs=engine, **kw), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir, requests):
+    return _run(model_dir, requests)
+
+
+@pytest.fixture(scope="module")
+def lossless(model_dir, requests):
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    return _run(model_dir, requests, attention_backend="sfi", sfi={**SMALL, "mode": "lossless"},
+                engine={"speculative_config": spec})
+
+
+def test_lossless_output_is_dense_token_for_token(dense, lossless):
+    for d, s in zip(dense["outputs"], lossless["outputs"]):
+        assert len(d["token_ids"]) == TOKENS
+        assert s["token_ids"] == d["token_ids"]
+
+
+def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
+    stats = list(lossless["sfi_stats"].values())
+    assert len(stats) == 3
+    for st in stats:
+        assert st["verify_steps"] > 0 and st["drafted_tokens"] == SPEC_TOKENS * st["verify_steps"]
+        # the drafter disagreed with the model: its tokens alone (the lossy mode) would have parted
+        assert 0 < st["accepted_tokens"] < st["drafted_tokens"]
+        assert 1.0 < st["acceptance_length"] <= SPEC_TOKENS + 1
+        # every verify re-selects in the drafter's first pass; its other passes are fast steps
+        assert st["slow_reasons"] == {"verify": st["slow_steps"]}
+        assert st["fast_steps"] == (SPEC_TOKENS - 1) * st["slow_steps"]
+        assert 0 < st["attended_fraction"] < 0.25  # the fast steps' working set against the context
