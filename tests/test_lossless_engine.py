@@ -68,3 +68,20 @@ def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
         assert st["slow_reasons"] == {"verify": st["slow_steps"]}
         assert st["fast_steps"] == (SPEC_TOKENS - 1) * st["slow_steps"]
         assert 0 < st["attended_fraction"] < 0.25  # the fast steps' working set against the context
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(additional_config={"sfi": {"mode": "lossless"}}), "add --speculative-config '{\"method\": \"draft_model\""),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}), "only as sfi.mode lossless"),
+], ids=["lossless-without-speculation", "speculation-without-lossless"])
+def test_start_up_names_the_missing_half(model_dir, kw, needle):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if "speculative_config" in kw:
+        kw["speculative_config"]["model"] = model_dir
+    with pytest.raises(Exception, match="sfi-vllm cannot serve this configuration") as e:
+        EngineArgs(model=model_dir, attention_backend="sfi", dtype="float32", max_model_len=1024,
+                   **kw).create_engine_config()
+    assert needle in str(e.value)
