@@ -1,5 +1,5 @@
-"""sfi.mode lossless in a real vLLM (CPU) engine on the embedded SmolLM2, float32, greedy: the
-output is token for token dense's over 256 generated tokens per prompt, at a working set (~10% of
+"""sfi.mode lossless in a real vLLM (CPU) engine on the embedded SmolLM2, float32, greedy, chunked
+prefills: the output is token for token dense's over 256 generated tokens per prompt, at a working set (~10% of
 the context) where the drafts, which are what the lossy mode would sample from the same prefix,
 are rejected several times per request. Each engine runs in its own process (engine_job)."""
 
@@ -8,7 +8,8 @@ import pytest
 pytestmark = pytest.mark.engine
 
 TOKENS = 256
-ENGINE = dict(max_model_len=2048, max_num_seqs=4, dtype="float32")
+# max_num_batched_tokens 256 chunks the prefills, so verify rows share steps with prefill chunks
+ENGINE = dict(max_model_len=2048, max_num_seqs=4, dtype="float32", max_num_batched_tokens=256)
 SMALL = {"sinks": 4, "recent_window": 32, "selected_tokens": 32}
 SPEC_TOKENS = 4
 
