@@ -107,16 +107,18 @@ def install() -> None:
             if ctl is not None and not (ctl.lossless and out is None and ctl.current_plan is not None):
                 ctl.end_step()
 
-    orig_sample = GPUModelRunner.sample_tokens
+    orig_sample = getattr(GPUModelRunner, "sample_tokens", None)
+    if orig_sample is not None:
+        @functools.wraps(orig_sample)
+        def sample_tokens(self, *args, **kwargs):
+            try:
+                return orig_sample(self, *args, **kwargs)
+            finally:
+                ctl = current_controller()
+                if ctl is not None and ctl.lossless:
+                    ctl.end_step()
 
-    @functools.wraps(orig_sample)
-    def sample_tokens(self, *args, **kwargs):
-        try:
-            return orig_sample(self, *args, **kwargs)
-        finally:
-            ctl = current_controller()
-            if ctl is not None and ctl.lossless:
-                ctl.end_step()
+        GPUModelRunner.sample_tokens = sample_tokens
 
     orig_determine = getattr(GPUModelRunner, "_determine_batch_execution_and_padding", None)
     if orig_determine is not None:
@@ -138,5 +140,4 @@ def install() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
-    GPUModelRunner.sample_tokens = sample_tokens
     _INSTALLED = True
