@@ -325,18 +325,24 @@ class SFIController:
         prompt_lens: list[int],
         first_input_tokens: torch.Tensor,
         request_extra_args: list[dict | None] | None = None,
+        spec_tokens: list[int] | None = None,
+        request_tokens: list[int] | None = None,
     ) -> StepPlan:
         """Classify each row, run the trigger for decode rows and record statistics.
 
         ``first_input_tokens[i]`` is row i's first input token (for a decode row, the token
         sampled last step). ``request_extra_args[i]``: row i's ``SamplingParams.extra_args``
-        (its own SFI settings, read when the request first appears).
+        (its own SFI settings, read when the request first appears). Under speculative decoding
+        (``sfi.mode lossless``): ``spec_tokens[i]``, the drafted tokens row i verifies this step,
+        and ``request_tokens[i]``, the request's prompt and output tokens so far (the step samples
+        for the row when it computes them all).
         """
         n = len(req_ids)
         extra_args = request_extra_args or [None] * n
         slots = [self._slot(r, x) for r, x in zip(req_ids, extra_args)]
         if self.lossless:
-            return self._plan_verify(req_ids, slots, num_scheduled, num_computed, prompt_lens)
+            return self._plan_verify(req_ids, slots, num_scheduled, num_computed, prompt_lens, spec_tokens,
+                                     request_tokens)
         modes = [int(StepMode.PREFILL)] * n
         reasons = [int(SlowReason.NONE)] * n
         context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
@@ -385,21 +391,29 @@ class SFIController:
         return plan
 
     def _plan_verify(self, req_ids: list[str], slots: list[int], num_scheduled: np.ndarray,
-                     num_computed: np.ndarray, prompt_lens: list[int]) -> StepPlan:
+                     num_computed: np.ndarray, prompt_lens: list[int], spec_tokens: list[int] | None,
+                     request_tokens: list[int] | None) -> StepPlan:
         """sfi.mode lossless: the model's step attends densely in every row (a decode row verifies
         the tokens drafted for it); the drafter's passes are planned from this plan
-        (:func:`sfi_vllm.lossless.plan_draft`)."""
+        (:func:`sfi_vllm.lossless.plan_draft`). Without ``spec_tokens`` / ``request_tokens`` (unit
+        tests) a row past its prompt is taken to verify all but its first token."""
         n = len(req_ids)
         modes, drafted, sampled = [], [], []
         context = [int(num_computed[i]) + int(num_scheduled[i]) for i in range(n)]
         for i in range(n):
-            decode = int(num_computed[i]) >= prompt_lens[i]
+            past_prompt = int(num_computed[i]) >= prompt_lens[i]
+            d = (int(spec_tokens[i]) if spec_tokens is not None
+                 else int(num_scheduled[i]) - 1 if past_prompt else 0)
+            # a decode row: its last token and the drafts for it (a request recomputing its prompt
+            # and output after a preemption is not one, however far its cached prefix reaches)
+            decode = past_prompt and int(num_scheduled[i]) == 1 + d
             if not decode:
                 self._reset(slots[i])  # (re)prefill: selections start afresh
                 self.stats.record_step(req_ids[i], int(StepMode.PREFILL), int(SlowReason.NONE), context[i])
             modes.append(int(StepMode.DENSE if decode else StepMode.PREFILL))
-            drafted.append(int(num_scheduled[i]) - 1 if decode else 0)
-            sampled.append(context[i] >= prompt_lens[i])
+            drafted.append(d if decode else 0)
+            total = request_tokens[i] if request_tokens is not None else prompt_lens[i]
+            sampled.append(context[i] >= total)
             if drafted[i] > 0:
                 self.stats.record_verify(req_ids[i], drafted[i])
         plan = StepPlan(
@@ -459,8 +473,8 @@ def get_controller(vllm_config: Any | None = None) -> SFIController:
 
 def same_engine(a: Any, b: Any) -> bool:
     """Whether two VllmConfigs are one engine's: the same object, or the model's and its drafter's
-    (vLLM's draft_model proposer copies the model's config with ``dataclasses.replace``, which
-    keeps the speculative config object)."""
+    (vLLM's draft_model proposer copies the model's config with ``vllm.config.utils.replace``,
+    which keeps the speculative config object)."""
     spec = getattr(a, "speculative_config", None)
     return a is b or (spec is not None and spec is getattr(b, "speculative_config", None))
 

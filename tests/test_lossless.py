@@ -65,7 +65,29 @@ def test_model_and_drafter_configs_are_one_engine():
     spec = object()
     a, b = SimpleNamespace(speculative_config=spec), SimpleNamespace(speculative_config=spec)
     assert same_engine(a, b) and same_engine(a, a)
+    assert not same_engine(a, SimpleNamespace(speculative_config=object()))  # another engine's
     assert not same_engine(SimpleNamespace(speculative_config=None), SimpleNamespace(speculative_config=None))
+
+
+def test_vllms_drafter_config_keeps_the_speculative_config_object():
+    """What same_engine relies on: vLLM's config copy (used by the draft_model proposer) keeps the
+    speculative config object, and the drafter's model config is the speculative config's."""
+    import inspect
+
+    from vllm.config.utils import replace
+    from vllm.v1.spec_decode import draft_model
+
+    src = inspect.getsource(draft_model.DraftModelProposer._create_draft_vllm_config)
+    assert "model_config=spec.draft_model_config" in src and "speculative_config=" not in src
+
+    @__import__("dataclasses").dataclass
+    class Cfg:
+        model_config: object
+        speculative_config: object
+
+    spec = object()
+    copy = replace(Cfg(model_config="target", speculative_config=spec), model_config="draft")
+    assert copy.speculative_config is spec
 
 
 class _CAM(SimpleNamespace):
@@ -89,6 +111,21 @@ def test_verify_step_is_dense_and_keeps_state_across_steps():
     assert ctl.generation[p2.slots[0]] == gen  # a verified step does not reset the request's selections
     st = ctl.stats.get("a")
     assert (st.verify_steps, st.drafted_tokens) == (1, 4)
+
+
+def test_a_request_recomputed_after_preemption_is_not_a_verify_step():
+    ctl = _controller()
+    z = torch.zeros(1, dtype=torch.long)
+    # prompt 100, 150 tokens so far; after a preemption the cached prefix reaches past the prompt and
+    # the rest is recomputed in one chunk, with no drafts
+    plan = ctl.plan_step(["a"], np.array([30]), np.array([112]), [100], z, None, [0], [150])
+    assert plan.modes == [StepMode.PREFILL] and plan.drafted == [0] and plan.sampled == [False]
+    plan = ctl.plan_step(["a"], np.array([8]), np.array([142]), [100], z, None, [0], [150])
+    assert plan.sampled == [True]  # this chunk reaches the last token: the step samples
+    plan = ctl.plan_step(["a"], np.array([5]), np.array([150]), [100], z, None, [4], [155])
+    assert plan.modes == [StepMode.DENSE] and plan.drafted == [4] and plan.sampled == [True]
+    st = ctl.stats.get("a")
+    assert (st.verify_steps, st.drafted_tokens, st.prefill_steps) == (1, 4, 2)
 
 
 def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fast():

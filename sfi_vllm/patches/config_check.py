@@ -100,10 +100,9 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
     method = getattr(spec, "method", None)
     if method != "draft_model":
         problems.append(f"sfi.mode lossless needs speculative method draft_model; got {method!r}")
-    rejection = getattr(spec, "rejection_sample_method", "standard")
-    if rejection != "standard":
-        problems.append(f"sfi.mode lossless verifies with vLLM's standard rejection sampling; "
-                        f"rejection_sample_method {rejection!r} accepts drafts the model would not have sampled")
+    if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
+        problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
+                        "accepts drafts the model would not have sampled (standard or block keep its distribution)")
     draft = getattr(spec, "draft_model_config", None)
     if draft is not None and model_config is not None and draft.model != model_config.model:
         problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "

@@ -90,21 +90,27 @@ def install() -> None:
             req_ids, num_computed, prompt_lens, first_tokens, extra_args = _runner_step_inputs(
                 self, num_scheduled_tokens
             )
+            spec_tokens = request_tokens = None
+            if ctl.lossless:
+                spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+                spec_tokens = [len(spec.get(r, ())) for r in req_ids]
+                request_tokens = [int(self.requests[r].num_tokens) for r in req_ids]
             ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens,
-                          extra_args)
+                          extra_args, spec_tokens, request_tokens)
         return out
 
     @functools.wraps(orig_execute)
     def execute_model(self, *args, **kwargs):
-        out = None
+        out, failed = None, True
         try:
             out = orig_execute(self, *args, **kwargs)
+            failed = False
             return out
         finally:
             ctl = current_controller()
             # sfi.mode lossless: the drafter runs in sample_tokens, after this returns None; the
             # step ends there
-            if ctl is not None and not (ctl.lossless and out is None and ctl.current_plan is not None):
+            if ctl is not None and (failed or not (ctl.lossless and out is None and ctl.current_plan is not None)):
                 ctl.end_step()
 
     orig_sample = getattr(GPUModelRunner, "sample_tokens", None)
