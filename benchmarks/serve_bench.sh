@@ -11,7 +11,8 @@
 # On the device machine, from the repository root, after the GPU install (/tmp/sfi-env.sh):
 #   . /tmp/sfi-env.sh && . benchmarks/device_env.sh && OUT=$OUT bash benchmarks/serve_bench.sh qwen
 # Settings through the environment: SFI_ARGS (the SFI server's --additional-config JSON, default
-# the speed preset), PROMPTS, RATE, IN_LEN, OUT_LEN, RANGE, PASSES (benchmark runs per server: the
+# the engine's default selection), WARMUP (prompts sent once, untimed, before the timed passes:
+# they meet the first compilations and graph captures; default 0), PROMPTS, RATE, IN_LEN, OUT_LEN, RANGE, PASSES (benchmark runs per server: the
 # second pass of the same load meets the kernels compiled and the graphs captured by the first;
 # default 1 for qwen, 2 for smol), MODES (default "dense sfi"; "sfi" reruns only the SFI server). Writes to $OUT: serve-bench-<set>-<mode>.json
 # (vllm bench serve's result, per-request details included), server logs, the sfi_ lines of
@@ -27,7 +28,7 @@ if [ "$SET" = qwen ]; then
   IN_LEN=${IN_LEN:-24576}; RANGE=${RANGE:-0.333}; OUT_LEN=${OUT_LEN:-512}
   PROMPTS=${PROMPTS:-64}; RATE=${RATE:-1.5}; PASSES=${PASSES:-1}
   SERVE_ARGS=(--max-model-len 33792)
-  SFI_ARGS=${SFI_ARGS:-'{"sfi": {"preset": "speed"}}'}
+  SFI_ARGS=${SFI_ARGS:-'{"sfi": {}}'}
 else
   M=/tmp/sfi-smol
   IN_LEN=${IN_LEN:-4608}; RANGE=${RANGE:-0.5}; OUT_LEN=${OUT_LEN:-48}
@@ -58,12 +59,14 @@ for MODE in ${MODES:-dense sfi}; do
   SERVER=$!
   if ! wait_health; then echo "$MODE: the server did not come up"; tail -30 "$LOG"; kill $SERVER; exit 1; fi
   echo "$MODE: healthy after $(( $(date +%s) - t0 )) s"
-  for PASS in $(seq "$PASSES"); do
+  for PASS in $( [ "${WARMUP:-0}" -gt 0 ] && echo warmup; seq "$PASSES"); do
+  # the warm-up's prompts are drawn with another seed, so the timed pass meets none of them cached
+  N=$([ "$PASS" = warmup ] && echo "$WARMUP" || echo "$PROMPTS"); S=$([ "$PASS" = warmup ] && echo 1 || echo 0)
   NAME=serve-bench-$SET-$MODE$([ "$PASS" = 1 ] || echo "-pass$PASS")
   python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url "$URL" --model $M \
     --dataset-name random --random-input-len "$IN_LEN" --random-range-ratio "$RANGE" \
-    --random-output-len "$OUT_LEN" --ignore-eos --num-prompts "$PROMPTS" --request-rate "$RATE" \
-    --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+    --random-output-len "$OUT_LEN" --ignore-eos --num-prompts "$N" --request-rate "$RATE" \
+    --seed "$S" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
     --save-result --save-detailed --result-dir "$OUT" --result-filename "$NAME.json" \
     --metadata "mode=$MODE" "pass=$PASS" "sfi=$([ "$MODE" = sfi ] && echo "$SFI_ARGS" || echo none)" 2>&1 \
     | grep -E "^(=|-|[A-Z][a-zA-Z ()/]+:)" | tee "$OUT/$NAME.txt"
