@@ -1,6 +1,15 @@
-"""SFIConfig: the one validated configuration object for every SFI knob.
+"""SFIConfig: the one validated configuration object for every SFI knob, in two halves.
 
-Sources, later ones overriding earlier ones field by field:
+* :class:`EngineSettings`: what the engine fixes when it starts (the mode, the boundary trigger's
+  vocabulary, kernels, streams, CUDA graphs, buffer sizes, the statistics file);
+* :class:`Policy`: what one request may set (the policy, its working set, triggers, Selector).
+
+``SFIConfig`` inherits both, so every module reads one object with flat fields (``cfg.kernels``,
+``cfg.selected_tokens``) and the checks that span the halves live on it. An engine's config is
+built by :func:`build_config`; a request's is :func:`merge_policy` of its Policy fields over the
+engine's config, which keeps the engine's EngineSettings.
+
+Sources of an engine's config, later ones overriding earlier ones field by field:
   1. the preset named by ``preset`` (``configs/<name>.yaml``: balanced, speed, paper);
   2. a YAML file named by the environment variable ``SFI_CONFIG``;
   3. the ``sfi`` key of vLLM's ``--additional-config`` (or ``LLM(additional_config=...)``).
@@ -38,12 +47,6 @@ FUSED_AUTO_FRACTION = 0.02
 
 class SFIConfigError(ValueError):
     """A bad SFI setting; the message names the field and the allowed range."""
-
-
-def EngineField(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pydantic's Field
-    """A field fixed when the engine starts (it sizes buffers, picks kernels, streams and graphs, or
-    builds the trigger's vocabulary): a request's own settings may not change it."""
-    return Field(*args, json_schema_extra={"scope": "engine"}, **kwargs)
 
 
 class ExperimentalConfig(BaseModel):
@@ -106,21 +109,43 @@ class SelectorConfig(BaseModel):
         1.0, ge=0.0, le=80.0, description="log-score a followed page loses per page of distance")
 
 
-class SFIConfig(BaseModel):
-    """Every SFI knob. Token counts are per sequence, per layer, per KV head."""
+class _SettingsModel(BaseModel):
+    """What :class:`Policy`, :class:`EngineSettings` and :class:`SFIConfig` share: frozen, unknown
+    keys refused, a field of the other half named as such, a moved field named with its new place."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"sfi.{old} moved to sfi.{new}")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_half(cls, data: Any) -> Any:
+        # SFIConfig holds both halves, so this refuses nothing there
+        if isinstance(data, dict):
+            for key in data:
+                if key in cls.model_fields:
+                    continue
+                if key in EngineSettings.model_fields:
+                    raise ValueError(f"sfi.{key} is an engine-wide setting (EngineSettings), fixed when the "
+                                     "engine starts; a request's Policy cannot set it")
+                if key in Policy.model_fields:
+                    raise ValueError(f"sfi.{key} is a per-request setting (Policy), not an EngineSettings field")
+        return data
+
+
+class Policy(_SettingsModel):
+    """What one request may set: the policy, its working set, its slow-step triggers and its
+    Selector. The engine's values are every request's defaults."""
+
     preset: Literal["balanced", "speed", "paper"] | None = Field(
         None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
-    )
-    mode: Literal["lossy", "lossless"] = EngineField(
-        "lossy",
-        description="lossy: decode steps attend to the working set (fast) or densely (slow), and "
-        "the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
-        "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
-        "method draft_model and this model), whose tokens the model verifies with dense attention: "
-        "greedy output is dense's, sampled output follows dense's distribution (docs/lossless.md)",
     )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
         "sfi",
@@ -156,19 +181,6 @@ class SFIConfig(BaseModel):
         "next_token",
         description="fire on the first token after the ender (authors) or on the ender itself",
     )
-    newline_is_boundary: bool = EngineField(True, description="newline tokens end a sentence too")
-    boundary_token_ids: list[int] | None = EngineField(
-        None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
-    )
-    boundary_read: Literal["auto", "exact", "lagged"] = EngineField(
-        "auto",
-        description="how the boundary trigger learns the sampled tokens. exact: a step whose "
-        "decision needs its input token reads it to the host (on a GPU a device sync that waits for "
-        "the previous step). lagged: every step's tokens are copied to the host asynchronously and "
-        "the trigger sees each token one step later, so a boundary slow step fires one token later "
-        "and no step waits for the step before it. auto: lagged where the tokens are on a GPU, "
-        "exact where they are on the CPU (reading them costs nothing there)",
-    )
     reuse_budget: int = Field(64, ge=1, le=1 << 20, description="max fast steps between slow steps")
     bridge_steps: int = Field(
         16, ge=0, le=1 << 20,
@@ -194,66 +206,8 @@ class SFIConfig(BaseModel):
         False, description="a slow step refreshes half of the layers (odd/even alternating)"
     )
 
+    # Selection.
     selector: SelectorConfig = Field(default_factory=SelectorConfig)
-    kernels: Literal["auto", "triton", "torch"] = EngineField(
-        "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
-    )
-    side_stream: bool = EngineField(
-        True,
-        description="GPU kernel path: run the slow step's selection and repack on a second CUDA "
-        "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
-    )
-
-    slow_refresh: Literal["auto", "per_layer", "per_step"] = EngineField(
-        "auto",
-        description="GPU kernel path: a slow step re-selects each layer right after its dense "
-        "attention (per_layer), or every layer at once after the step's last layer, replayed from "
-        "one CUDA graph per shape (per_step: far less host time per layer, less overlap); auto: "
-        "per_step while the slow rows hold at most 512K tokens in all",
-    )
-
-    slow_in_graph: bool | None = EngineField(
-        None,
-        description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
-        "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
-        "CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, which also "
-        "stages every row's query for the refresh after the step. Unset (default): on wherever the "
-        "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
-        "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
-    )
-    fused_scores_tokens: Literal["auto"] | NonNegativeInt = EngineField(
-        "auto",
-        description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
-        "kernel that attends densely for the slow rows also writes their logits and key norms, so "
-        "the refresh after the step reads no key twice. The value sizes the buffer, allocated at "
-        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
-        "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
-        "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
-        "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
-        "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
-    )
-    experimental: ExperimentalConfig = EngineField(default_factory=ExperimentalConfig)
-
-    compact_memory_gib: float | None = EngineField(
-        None, gt=0.0, le=1 << 20,
-        description="memory of the compact-set pool, in GiB: as many sequences get a compact set at "
-        "once as it holds (at most max_num_seqs); a request that finds the pool full runs densely "
-        "(counted). Unset: 10% of the GPU's memory on the GPU kernel path, every sequence elsewhere "
-        "(sfi_vllm/compact_pool.py)",
-    )
-
-    # Observability.
-    stats_file: str | None = EngineField(None, description="append per-request statistics (JSON lines); "
-                                     "under tensor/pipeline parallelism the rank-0 worker writes them")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old, new in MOVED_FIELDS.items():
-                if old in data:
-                    raise ValueError(f"sfi.{old} moved to sfi.{new}")
-        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -266,7 +220,7 @@ class SFIConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _cross_field_checks(self) -> "SFIConfig":
+    def _policy_checks(self) -> "Policy":
         if self.selected_tokens is not None and self.selected_fraction is not None:
             raise ValueError("give selected_tokens or selected_fraction, not both")
         if self.selected_floor > self.selected_cap:
@@ -277,35 +231,7 @@ class SFIConfig(BaseModel):
             raise ValueError(
                 f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
             )
-        if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
-            raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
-                             "and no layer_interleaved_refresh")
-        if self.fused_scores_tokens != "auto" and self.fused_scores_tokens > 0 and (
-                self.kernels == "torch" or not self.graph_slow_enabled):
-            raise ValueError("fused_scores_tokens needs slow steps inside full CUDA graphs: kernels "
-                             "auto or triton, slow_in_graph not false, slow_refresh per_step or auto, "
-                             "no layer_interleaved_refresh")
         return self
-
-    def fused_tokens_for(self, layers: int, q_heads: int, kv_heads: int, max_num_seqs: int,
-                         max_model_len: int, device_bytes: int, frame_bucket: int = 2048) -> int:
-        """``fused_scores_tokens`` resolved for a model (0: off). ``auto``: as many frame tokens as
-        ``FUSED_AUTO_BYTES`` and ``FUSED_AUTO_FRACTION`` of the GPU's ``device_bytes`` hold, but
-        no more than every sequence at the longest context (rounded up to ``frame_bucket``, the
-        Selector's frame width) can use."""
-        if self.kernels == "torch" or not self.graph_slow_enabled:
-            return 0
-        if self.fused_scores_tokens != "auto":
-            return self.fused_scores_tokens
-        per_token = layers * (q_heads + kv_heads) * 4
-        budget = min(FUSED_AUTO_BYTES, int(FUSED_AUTO_FRACTION * device_bytes))
-        frame = -(-max_model_len // frame_bucket) * frame_bucket
-        return min(budget // per_token, max_num_seqs * frame)
-
-    @property
-    def graph_slow_enabled(self) -> bool:
-        """Whether slow steps may run inside full CUDA graphs (``slow_in_graph`` resolved)."""
-        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.layer_interleaved_refresh
 
     @property
     def refreshes_selection(self) -> bool:
@@ -330,6 +256,132 @@ class SFIConfig(BaseModel):
         """Tokens a compact set can hold: sinks + the largest K a context up to ``max_context_len``
         gets (for sizing preallocated buffers)."""
         return self.sinks + min(self.selected_budget(max_context_len), max_context_len)
+
+
+class EngineSettings(_SettingsModel):
+    """What the engine fixes when it starts: the mode, the boundary trigger's vocabulary, the
+    kernels, streams, CUDA graphs and buffers, the statistics file. They size buffers, pick kernels
+    and graphs or build the trigger's vocabulary, so no request may change them."""
+
+    mode: Literal["lossy", "lossless"] = Field(
+        "lossy",
+        description="lossy: decode steps attend to the working set (fast) or densely (slow), and "
+        "the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
+        "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
+        "method draft_model and this model), whose tokens the model verifies with dense attention: "
+        "greedy output is dense's, sampled output follows dense's distribution (docs/lossless.md)",
+    )
+
+    # The boundary trigger's vocabulary and how it reads the sampled tokens.
+    newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
+    boundary_token_ids: list[int] | None = Field(
+        None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
+    )
+    boundary_read: Literal["auto", "exact", "lagged"] = Field(
+        "auto",
+        description="how the boundary trigger learns the sampled tokens. exact: a step whose "
+        "decision needs its input token reads it to the host (on a GPU a device sync that waits for "
+        "the previous step). lagged: every step's tokens are copied to the host asynchronously and "
+        "the trigger sees each token one step later, so a boundary slow step fires one token later "
+        "and no step waits for the step before it. auto: lagged where the tokens are on a GPU, "
+        "exact where they are on the CPU (reading them costs nothing there)",
+    )
+
+    # GPU kernel path: kernels, streams, CUDA graphs, buffers.
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
+    )
+    side_stream: bool = Field(
+        True,
+        description="GPU kernel path: run the slow step's selection and repack on a second CUDA "
+        "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
+    )
+    slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
+        "auto",
+        description="GPU kernel path: a slow step re-selects each layer right after its dense "
+        "attention (per_layer), or every layer at once after the step's last layer, replayed from "
+        "one CUDA graph per shape (per_step: far less host time per layer, less overlap); auto: "
+        "per_step while the slow rows hold at most 512K tokens in all",
+    )
+    slow_in_graph: bool | None = Field(
+        None,
+        description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
+        "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
+        "CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, which also "
+        "stages every row's query for the refresh after the step. Unset (default): on wherever the "
+        "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
+        "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
+    )
+    fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
+        "auto",
+        description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
+        "kernel that attends densely for the slow rows also writes their logits and key norms, so "
+        "the refresh after the step reads no key twice. The value sizes the buffer, allocated at "
+        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
+        "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
+        "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
+        "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
+        "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
+    )
+    experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
+    compact_memory_gib: float | None = Field(
+        None, gt=0.0, le=1 << 20,
+        description="memory of the compact-set pool, in GiB: as many sequences get a compact set at "
+        "once as it holds (at most max_num_seqs); a request that finds the pool full runs densely "
+        "(counted). Unset: 10% of the GPU's memory on the GPU kernel path, every sequence elsewhere "
+        "(sfi_vllm/compact_pool.py)",
+    )
+
+    # Observability.
+    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
+                                "under tensor/pipeline parallelism the rank-0 worker writes them")
+
+
+class SFIConfig(EngineSettings, Policy):
+    """Every SFI knob: the engine's :class:`EngineSettings` and a :class:`Policy` (the engine's own,
+    or a request's merged over it by :func:`merge_policy`). Fields are read flat (``cfg.kernels``,
+    ``cfg.selected_tokens``); the Policy fields come first. Token counts are per sequence, per
+    layer, per KV head."""
+
+    @model_validator(mode="after")
+    def _cross_half_checks(self) -> "SFIConfig":
+        if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
+            raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
+                             "and no layer_interleaved_refresh")
+        if self.fused_scores_tokens != "auto" and self.fused_scores_tokens > 0 and (
+                self.kernels == "torch" or not self.graph_slow_enabled):
+            raise ValueError("fused_scores_tokens needs slow steps inside full CUDA graphs: kernels "
+                             "auto or triton, slow_in_graph not false, slow_refresh per_step or auto, "
+                             "no layer_interleaved_refresh")
+        return self
+
+    def engine_settings(self) -> EngineSettings:
+        """The EngineSettings half of this config."""
+        return EngineSettings.model_validate({k: getattr(self, k) for k in EngineSettings.model_fields})
+
+    def policy_settings(self) -> Policy:
+        """The Policy half of this config."""
+        return Policy.model_validate({k: getattr(self, k) for k in Policy.model_fields})
+
+    def fused_tokens_for(self, layers: int, q_heads: int, kv_heads: int, max_num_seqs: int,
+                         max_model_len: int, device_bytes: int, frame_bucket: int = 2048) -> int:
+        """``fused_scores_tokens`` resolved for a model (0: off). ``auto``: as many frame tokens as
+        ``FUSED_AUTO_BYTES`` and ``FUSED_AUTO_FRACTION`` of the GPU's ``device_bytes`` hold, but
+        no more than every sequence at the longest context (rounded up to ``frame_bucket``, the
+        Selector's frame width) can use."""
+        if self.kernels == "torch" or not self.graph_slow_enabled:
+            return 0
+        if self.fused_scores_tokens != "auto":
+            return self.fused_scores_tokens
+        per_token = layers * (q_heads + kv_heads) * 4
+        budget = min(FUSED_AUTO_BYTES, int(FUSED_AUTO_FRACTION * device_bytes))
+        frame = -(-max_model_len // frame_bucket) * frame_bucket
+        return min(budget // per_token, max_num_seqs * frame)
+
+    @property
+    def graph_slow_enabled(self) -> bool:
+        """Whether slow steps may run inside full CUDA graphs (``slow_in_graph`` resolved)."""
+        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.layer_interleaved_refresh
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -452,7 +504,60 @@ def config_from_vllm(vllm_config: Any) -> SFIConfig:
 
 
 def engine_fields() -> tuple[str, ...]:
-    """The SFIConfig fields fixed at start-up (declared with :func:`EngineField`); every other
-    field may be set per request."""
-    return tuple(name for name, f in SFIConfig.model_fields.items()
-                 if (f.json_schema_extra or {}).get("scope") == "engine")
+    """The fields of :class:`EngineSettings`, fixed at start-up; every other SFIConfig field is a
+    :class:`Policy` field, which a request may set."""
+    return tuple(EngineSettings.model_fields)
+
+
+def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
+                 field_names: Mapping[tuple, str] | None = None) -> SFIConfig:
+    """The config a request runs with: ``engine`` (an engine's resolved config) with ``request``
+    (a request's Policy fields, nested like SFIConfig's: ``{"selector": {"alpha": 1.0}}``)
+    applied field by field, validated as SFIConfig. The front end's request validation and the
+    worker both reach it through :func:`sfi_vllm.request_config.resolve_request_config`.
+
+    The engine's values are taken as resolved (its preset is not applied again); a preset the
+    request names applies over the engine's values and under the request's own fields. A fraction
+    the request gives replaces the engine's fixed K, and a fixed K replaces the engine's fraction.
+    The result's EngineSettings are the engine's: a request may repeat an engine field's value, and
+    one that would change it raises :class:`SFIConfigError`. Errors name the request's own keys
+    where ``field_names`` maps them, and carry ``locs``, the field paths at fault."""
+    names = field_names or {}
+    merged = engine.model_dump()
+    merged.pop("preset", None)
+    given: dict[str, Any] = {}
+    if isinstance(request.get("preset"), str) and request["preset"] in PRESETS:
+        given = preset_values(request["preset"])
+    for key, value in request.items():
+        if key == "preset":
+            continue
+        if key in given and isinstance(given[key], dict) and isinstance(value, Mapping):
+            given[key] = {**given[key], **value}
+        else:
+            given[key] = value
+    for key, value in given.items():
+        if isinstance(merged.get(key), dict) and isinstance(value, Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    if given.get("selected_fraction") is not None and "selected_tokens" not in given:
+        merged["selected_tokens"] = None
+    if given.get("selected_tokens") is not None and "selected_fraction" not in given:
+        merged["selected_fraction"] = None
+    if "preset" in request and request["preset"] not in PRESETS:
+        merged["preset"] = request["preset"]  # validated (and refused, naming the field) below
+    cfg = build_config(merged, use_env=False, field_names=names)
+    for key in EngineSettings.model_fields:
+        if getattr(cfg, key) == getattr(engine, key):
+            continue
+        # the request's own key (the field, or one of its nested fields), else the preset that set it
+        own = [p for p in ((key,), *names) if p[:1] == (key,) and p in names]
+        path = own[0] if own else (key,) if key in request or "preset" not in request else ("preset",)
+        name = names.get(path, f"sfi.{'.'.join(path)}")
+        asked = request[key] if key in request else getattr(cfg, key)
+        error = SFIConfigError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
+                               f"(engine: {getattr(engine, key)!r}, request: {asked!r}); "
+                               "set it in the engine's --additional-config")
+        error.locs = [path]
+        raise error
+    return cfg

@@ -1,9 +1,9 @@
 """A request's own SFI settings: how they are read from ``SamplingParams.extra_args``, merged over
-the engine's :class:`~sfi_vllm.config.SFIConfig` and checked against what the engine fixed at
-start-up. The front end (:mod:`sfi_vllm.request_validation`, before a request reaches the engine)
-and the worker (:class:`~sfi_vllm.controller.SFIController`) call the same
-:func:`resolve_request_config`, so a request the front end accepts is configured identically in
-the worker.
+the engine's :class:`~sfi_vllm.config.SFIConfig` (by :func:`sfi_vllm.config.merge_policy`) and
+checked against what the engine fixed at start-up. The front end
+(:mod:`sfi_vllm.request_validation`, before a request reaches the engine) and the worker
+(:class:`~sfi_vllm.controller.SFIController`) call the same :func:`resolve_request_config`, so a
+request the front end accepts is configured identically in the worker.
 
 Two forms, which may be combined (a field given twice is an error):
 
@@ -17,9 +17,11 @@ Two forms, which may be combined (a field given twice is an error):
   models' fields (:func:`flat_keys`), so a new field is a new key. Any other key that starts with
   ``sfi_`` is an error.
 
-A request may not change the settings the engine fixes at start-up (``REQUEST_FIXED_KEYS``), ask
-for a compact set larger than the engine's buffers hold, or turn on a boundary trigger the engine
-has no sentence-ender ids for; those raise :class:`SFIRequestError` like a malformed value.
+A request sets :class:`~sfi_vllm.config.Policy` fields. It may not change the engine's
+:class:`~sfi_vllm.config.EngineSettings` (``REQUEST_FIXED_KEYS``; giving the engine's own value is
+accepted), ask for a compact set larger than the engine's buffers hold, or turn on a boundary
+trigger the engine has no sentence-ender ids for; those raise :class:`SFIRequestError` like a
+malformed value.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, preset_values
+from sfi_vllm.config import SFIConfig, SFIConfigError, engine_fields, merge_policy
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
 
-# SFIConfig fields that a request's own settings cannot change: those declared with EngineField
-# (they size buffers, pick kernels, streams and graphs, or build the trigger's vocabulary)
+# SFIConfig fields that a request's own settings cannot change: the EngineSettings fields (they
+# size buffers, pick kernels, streams and graphs, or build the trigger's vocabulary)
 REQUEST_FIXED_KEYS = engine_fields()
 
 
@@ -163,51 +165,11 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
     return overrides, names
 
 
-def merge_request_config(base: SFIConfig, overrides: Mapping[str, Any],
-                         names: Mapping[tuple, str] | None = None) -> SFIConfig:
-    """``base`` (the engine's config) with a request's ``overrides`` (nested SFIConfig fields)
-    applied field by field, validated by SFIConfig. The engine's values are taken as resolved (its
-    preset is not applied again); a preset the request names applies over the engine's values and
-    under the request's own fields. A fraction the request gives replaces the engine's fixed K, and
-    a fixed K replaces the engine's fraction. Errors name the request's own keys when ``names``
-    maps them."""
-    merged = base.model_dump()
-    merged.pop("preset", None)
-    request: dict[str, Any] = {}
-    if isinstance(overrides.get("preset"), str) and overrides["preset"] in PRESETS:
-        request = preset_values(overrides["preset"])
-    for key, value in overrides.items():
-        if key == "preset":
-            continue
-        if key in request and isinstance(request[key], dict) and isinstance(value, Mapping):
-            request[key] = {**request[key], **value}
-        else:
-            request[key] = value
-    for key, value in request.items():
-        if isinstance(merged.get(key), dict) and isinstance(value, Mapping):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    if request.get("selected_fraction") is not None and "selected_tokens" not in request:
-        merged["selected_tokens"] = None
-    if request.get("selected_tokens") is not None and "selected_fraction" not in request:
-        merged["selected_fraction"] = None
-    if "preset" in overrides and overrides["preset"] not in PRESETS:
-        merged["preset"] = overrides["preset"]  # validated (and refused, naming the field) below
-    return build_config(merged, use_env=False, field_names=names)
-
-
-def check_request_config(limits: EngineLimits, cfg: SFIConfig, overrides: Mapping[str, Any],
-                         names: Mapping[tuple, str]) -> None:
-    """What a request may not change: the settings the engine fixes at start-up, a compact set
-    larger than the engine's buffers hold, a boundary trigger the engine has no enders for."""
+def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tuple, str]) -> None:
+    """What a request's merged config ``cfg`` may not ask of the engine: a compact set larger than
+    the engine's buffers hold, a boundary trigger the engine has no enders for. (Its
+    EngineSettings are the engine's: :func:`~sfi_vllm.config.merge_policy` refuses a change.)"""
     engine = limits.cfg
-    for key in REQUEST_FIXED_KEYS:
-        if key in overrides and getattr(cfg, key) != getattr(engine, key):
-            name = names.get((key,)) or next((n for p, n in names.items() if p[:1] == (key,)), f"sfi.{key}")
-            raise SFIRequestError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
-                                  f"(engine: {getattr(engine, key)!r}, request: {overrides[key]!r}); "
-                                  "set it in the engine's --additional-config", name)
     if limits.max_model_len:
         need = cfg.compact_capacity(limits.max_model_len)
         have = engine.compact_capacity(limits.max_model_len)
@@ -234,11 +196,9 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
         return limits.cfg
     overrides, names = parsed
     try:  # an error of several fields together (e.g. min_gap > reuse_budget) is named ``where``
-        cfg = merge_request_config(limits.cfg, overrides, {**names, (): where})
-    except SFIRequestError:
-        raise
+        cfg = merge_policy(limits.cfg, overrides, field_names={**names, (): where})
     except SFIConfigError as e:
         at = [names[loc] for loc in getattr(e, "locs", ()) if loc in names]
         raise SFIRequestError(str(e), at[0] if at else next(iter(names.values()))) from None
-    check_request_config(limits, cfg, overrides, names)
+    check_request_config(limits, cfg, names)
     return cfg

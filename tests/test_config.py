@@ -140,3 +140,62 @@ def test_speed_preset_is_the_measured_benchmark_setting():
 
     assert e2e_bench.SFI == {"preset": "speed"}  # what the benchmark times
     assert cfg.graph_slow_enabled and not cfg.layer_interleaved_refresh and cfg.fused_scores_tokens == "auto"
+
+
+ENGINE_FIELDS = ("mode", "newline_is_boundary", "boundary_token_ids", "boundary_read", "kernels", "side_stream",
+                 "slow_refresh", "slow_in_graph", "fused_scores_tokens", "experimental", "compact_memory_gib",
+                 "stats_file")
+
+
+def test_engine_settings_and_policy_split_sfi_config():
+    """SFIConfig is EngineSettings and Policy, disjoint, with nothing of its own; the engine-wide
+    fields (the README's ``engine`` rows, refused per request) are EngineSettings'."""
+    from sfi_vllm.config import EngineSettings, Policy, SFIConfig, engine_fields
+
+    engine, policy = set(EngineSettings.model_fields), set(Policy.model_fields)
+    assert not engine & policy
+    assert engine | policy == set(SFIConfig.model_fields)
+    assert tuple(SFIConfig.model_fields) == (*Policy.model_fields, *EngineSettings.model_fields)
+    assert engine_fields() == tuple(EngineSettings.model_fields) == ENGINE_FIELDS
+    assert {"preset", "policy", "sinks", "selected_tokens", "selector", "layer_interleaved_refresh"} <= policy
+    for name, field in SFIConfig.model_fields.items():  # descriptions and constraints come through
+        half = EngineSettings if name in engine else Policy
+        assert (field.description, field.metadata, field.annotation) == (
+            half.model_fields[name].description, half.model_fields[name].metadata, half.model_fields[name].annotation)
+
+
+def test_a_policy_refuses_an_engine_field_by_name_and_the_halves_round_trip():
+    from pydantic import ValidationError
+
+    from sfi_vllm.config import EngineSettings, Policy, SFIConfig
+
+    for key in ENGINE_FIELDS:
+        with pytest.raises(ValidationError, match=rf"sfi\.{key} is an engine-wide setting \(EngineSettings\)"):
+            Policy.model_validate({key: None})
+    with pytest.raises(ValidationError, match=r"sfi\.sinks is a per-request setting \(Policy\)"):
+        EngineSettings(sinks=2)
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        Policy(sinkz=2)
+    with pytest.raises(ValidationError, match="sfi.selector_top_k moved to sfi.experimental.selector_top_k"):
+        EngineSettings(selector_top_k="torch")
+    # Policy's own checks hold without the engine half; the ones across halves are SFIConfig's
+    assert Policy().selected_tokens == 2048 and Policy(selected_fraction=0.1).selected_tokens is None
+    with pytest.raises(ValidationError, match="not both"):
+        Policy(selected_tokens=10, selected_fraction=0.1)
+    Policy(layer_interleaved_refresh=True)
+    EngineSettings(slow_in_graph=True)
+    with pytest.raises(ValidationError, match="slow_in_graph needs"):
+        SFIConfig(slow_in_graph=True, layer_interleaved_refresh=True)
+    cfg = build_config({"preset": "paper", "kernels": "torch", "sinks": 8, "boundary_token_ids": [3]}, use_env=False)
+    engine, policy = cfg.engine_settings(), cfg.policy_settings()
+    assert (type(engine), type(policy)) == (EngineSettings, Policy)
+    assert (engine.kernels, policy.sinks, policy.preset, policy.selector.page_size) == ("torch", 8, "paper", 0)
+    assert SFIConfig(**dict(engine), **dict(policy)) == cfg
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_set_policy_fields_only(name):
+    """A request may name a preset, so a preset must not reach an engine-wide field."""
+    from sfi_vllm.config import Policy
+
+    assert set(preset_values(name)) <= set(Policy.model_fields) - {"preset"}

@@ -166,25 +166,25 @@ def test_a_request_merges_over_the_engine_as_resolved_not_over_its_preset_again(
     resolved values (fields the engine set back to their defaults stay set); a preset the request
     names applies under its own fields; a fixed K and a fraction replace each other."""
     from sfi_vllm.config import build_config
-    from sfi_vllm.request_config import merge_request_config
+    from sfi_vllm.config import merge_policy
 
     engine = build_config({"preset": "speed", "boundary_trigger": True, "reuse_budget": 64,
                            "selector": {"page_size": 16}}, use_env=False)
-    got = merge_request_config(engine, {"selected_tokens": 1024})
+    got = merge_policy(engine, {"selected_tokens": 1024})
     assert (got.boundary_trigger, got.reuse_budget, got.selector.page_size, got.selected_tokens) == (True, 64, 16, 1024)
-    paper = merge_request_config(build_config({}, use_env=False), {"preset": "paper", "reuse_budget": 40})
+    paper = merge_policy(build_config({}, use_env=False), {"preset": "paper", "reuse_budget": 40})
     assert (paper.selector.page_size, paper.bridge_steps, paper.reuse_budget) == (0, 0, 40)
     frac = build_config({"selected_fraction": 0.2}, use_env=False)
-    k = merge_request_config(frac, {"selected_tokens": 512})
+    k = merge_policy(frac, {"selected_tokens": 512})
     assert (k.selected_tokens, k.selected_fraction) == (512, None)
-    back = merge_request_config(build_config({}, use_env=False), {"selected_fraction": 0.1})
+    back = merge_policy(build_config({}, use_env=False), {"selected_fraction": 0.1})
     assert (back.selected_tokens, back.selected_fraction) == (None, 0.1)
 
 
 def test_the_engine_wide_fields_are_declared_on_the_model_and_refused_per_request():
-    """The settings a request may not change come from the fields' declarations (EngineField), so
-    a new engine-wide field is refused per request and shown as such in the README's table."""
-    from sfi_vllm.config import SFIConfig, engine_fields
+    """The settings a request may not change are the fields of EngineSettings, so a new
+    engine-wide field is refused per request and shown as such in the README's table."""
+    from sfi_vllm.config import EngineSettings, engine_fields
 
     assert REQUEST_FIXED_KEYS == engine_fields()
     assert {"kernels", "side_stream", "compact_memory_gib", "stats_file"} <= set(REQUEST_FIXED_KEYS)
@@ -195,7 +195,7 @@ def test_the_engine_wide_fields_are_declared_on_the_model_and_refused_per_reques
         assert getattr(lim.cfg, key) != value
         with pytest.raises(SFIRequestError, match=f"sfi.{key} is an engine-wide setting"):
             resolve_request_config(lim, {f"sfi_{key}": value})
-    assert all(SFIConfig.model_fields[k].json_schema_extra == {"scope": "engine"} for k in REQUEST_FIXED_KEYS)
+    assert REQUEST_FIXED_KEYS == tuple(EngineSettings.model_fields)
 
 
 def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it():
@@ -209,3 +209,59 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
         resolve_request_config(lim, {"sfi_selector_top_k": "triton"})
     with pytest.raises(SFIRequestError, match="unknown SFI setting .selector_top_k.; allowed: .*experimental"):
         resolve_request_config(lim, {"sfi": {"selector_top_k": "triton"}})
+
+
+def _union(engine: dict, request: dict) -> dict:
+    out = {**engine, **request}
+    for key in engine.keys() & request.keys():
+        if isinstance(engine[key], dict):
+            out[key] = {**engine[key], **request[key]}
+    return out
+
+
+MERGE_ENGINES = [{}, ENGINE, {"kernels": "torch", "side_stream": False, "boundary_read": "exact", "sinks": 8,
+                              "selector": {"alpha": 2.0, "use_nms": True}, "compact_memory_gib": 2.0},
+                 {"selected_fraction": 0.25, "selected_cap": 4096, "stats_file": "/tmp/s.jsonl", "reuse_budget": 30}]
+MERGE_REQUESTS = [{}, {"policy": "dense"}, {"sinks": 2, "recent_window": 64, "selector": {"gamma": 1.0}},
+                  {"policy": "quest", "quest_page": 32, "boundary_trigger": False, "min_gap": 4},
+                  {"selector": {"page_size": 0, "follow_pages": 0}, "window_mode": "slide"}]
+
+
+@pytest.mark.parametrize("engine", MERGE_ENGINES)
+@pytest.mark.parametrize("request_", MERGE_REQUESTS)
+def test_merging_a_policy_over_an_engine_equals_building_the_union(engine, request_):
+    from sfi_vllm.config import Policy, merge_policy
+
+    Policy.model_validate(request_)  # the requests are Policies
+    base = build_config(engine, use_env=False)
+    assert merge_policy(base, request_) == build_config(_union(engine, request_), use_env=False)
+
+
+# a value other than the default for every EngineSettings field
+OTHER_ENGINE_VALUES = {"mode": "lossless", "newline_is_boundary": False, "boundary_token_ids": [1, 2],
+                       "boundary_read": "exact", "kernels": "torch", "side_stream": False,
+                       "slow_refresh": "per_layer", "slow_in_graph": False, "fused_scores_tokens": 0,
+                       "experimental": {"selector_top_k": "triton"}, "compact_memory_gib": 1.0,
+                       "stats_file": "/tmp/s.jsonl"}
+
+
+def test_a_request_merge_cannot_change_an_engine_setting(monkeypatch):
+    from sfi_vllm import config
+    from sfi_vllm.config import EngineSettings, SFIConfigError, merge_policy
+
+    assert set(OTHER_ENGINE_VALUES) == set(EngineSettings.model_fields)
+    engine = build_config({}, use_env=False)
+    for key, value in OTHER_ENGINE_VALUES.items():
+        assert getattr(engine, key) != getattr(build_config({key: value}, use_env=False), key)
+        with pytest.raises(SFIConfigError, match=rf"sfi\.{key}: sfi\.{key} is an engine-wide setting") as e:
+            merge_policy(engine, {key: value, "sinks": 2})
+        assert e.value.locs == [(key,)]
+        assert merge_policy(engine, {key: getattr(engine, key), "sinks": 2}).engine_settings() == engine.engine_settings()
+    for request in [*MERGE_REQUESTS, {"preset": "paper"}, {"preset": "speed", "policy": "snapkv"}]:
+        assert merge_policy(engine, request).engine_settings() == engine.engine_settings()
+    # a preset that reached an engine-wide field would be refused, named as the preset
+    real = config.preset_values
+    monkeypatch.setattr(config, "preset_values", lambda name: {**real(name), "kernels": "torch"})
+    with pytest.raises(SFIConfigError, match=r"^req\.preset: sfi\.kernels is an engine-wide setting") as e:
+        merge_policy(engine, {"preset": "paper"}, field_names={("preset",): "req.preset"})
+    assert e.value.locs == [("preset",)]

@@ -1,6 +1,7 @@
 """The README's configuration table, generated from the pydantic fields of
-:class:`sfi_vllm.config.SFIConfig` and :class:`sfi_vllm.config.SelectorConfig` (their defaults,
-constraints and descriptions), so the manual cannot drift from the code.
+:class:`sfi_vllm.config.SFIConfig` and its nested models (their defaults, constraints and
+descriptions; "set per" is ``engine`` for the fields of :class:`sfi_vllm.config.EngineSettings`,
+``request`` for those of :class:`sfi_vllm.config.Policy`), so the manual cannot drift from the code.
 
     sfi-vllm config --markdown             # print the table
     python -m sfi_vllm.tools.config_table README.md   # rewrite the table between the README's markers
@@ -63,10 +64,12 @@ def _default(value: Any) -> str:
 
 
 def _rows(model: Any, prefix: str = "", outer_scope: str | None = None) -> list[str]:
+    from sfi_vllm.config import engine_fields
+
     defaults = model()
     rows = []
     for name, field in model.model_fields.items():
-        scope = outer_scope or ("engine" if (field.json_schema_extra or {}).get("scope") == "engine" else "request")
+        scope = outer_scope or ("engine" if name in engine_fields() else "request")
         sub = getattr(field.annotation, "model_fields", None)
         if sub is not None:
             rows += _rows(field.annotation, f"{prefix}{name}.", scope)
