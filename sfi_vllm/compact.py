@@ -22,9 +22,15 @@ from sfi_vllm.host_copy import tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
 
 
+def sink_count(cfg: SFIConfig, context_len: int) -> int:
+    """Sinks a row at ``context_len`` tokens keeps: ``cfg.sinks``, or every token of a shorter
+    context."""
+    return min(cfg.sinks, context_len)
+
+
 def window_start(cfg: SFIConfig, context_len: int) -> int:
     """First position of the recent window for a slow step at ``context_len`` tokens."""
-    sinks = min(cfg.sinks, context_len)
+    sinks = sink_count(cfg, context_len)
     raw = context_len - cfg.recent_window
     if raw <= sinks:
         return sinks
@@ -33,8 +39,47 @@ def window_start(cfg: SFIConfig, context_len: int) -> int:
 
 def selected_count(cfg: SFIConfig, context_len: int) -> int:  # noqa: D401
     """K actually selected at a slow step: the budget, clipped to the number of candidates."""
-    candidates = window_start(cfg, context_len) - min(cfg.sinks, context_len)
-    return max(0, min(cfg.selected_budget(context_len), candidates))
+    return RowGeometry.at(cfg, context_len).selected
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    """Where one row's tokens go at ``context`` tokens under its config: positions
+    ``[0, sinks)`` are sinks, ``[sinks, window_start)`` the candidates a slow step selects
+    ``selected`` of (``budget`` before clipping to the candidates), ``[window_start, context)``
+    the recent window.
+
+    :class:`~sfi_vllm.controller.StepPlan` holds one per row at the step's context, made once
+    with the plan, and the step's layers, tables and refreshes read it rather than each applying
+    the formulas above. A slow row is selected and packed at this geometry. A fast row's window
+    need not start here: it starts where its compact set's slow step put it, and only a sliding
+    window (``cfg.slides_window``) moves it up to this one; a Quest-style row whose candidate
+    pages all fit its budget reads them as part of its window (``SFILayer._quest_set``).
+    """
+
+    context: int
+    sinks: int
+    window_start: int
+    budget: int  # K for this context (cfg.selected_budget), before clipping to the candidates
+    selected: int  # K the slow step selects: the budget clipped to [0, candidates]
+
+    @classmethod
+    def at(cls, cfg: SFIConfig, context_len: int) -> "RowGeometry":
+        sinks = sink_count(cfg, context_len)
+        ws = window_start(cfg, context_len)
+        budget = cfg.selected_budget(context_len)
+        return cls(context_len, sinks, ws, budget, max(0, min(budget, ws - sinks)))
+
+    @property
+    def candidates(self) -> int:
+        """Tokens between the sinks and the window, that a slow step selects from."""
+        return self.window_start - self.sinks
+
+    @property
+    def scored(self) -> bool:
+        """Whether a slow step runs the Selector: it keeps some but not all of the candidates (else
+        it takes the first ``selected`` candidates, all or none, without scoring)."""
+        return 0 < self.selected < self.candidates
 
 
 @dataclass

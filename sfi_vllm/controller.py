@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from sfi_vllm.compact import CompactBuffer
+from sfi_vllm.compact import CompactBuffer, RowGeometry
 from sfi_vllm.config import SFIConfig, SFIConfigError, config_from_vllm
 from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, resolve_request_config, sfi_entries  # noqa: F401
 from sfi_vllm.metrics import worker_metrics
@@ -74,6 +74,14 @@ class StepPlan:
     verify: bool = False
     drafted: list[int] | None = None
     sampled: list[bool] | None = None
+    # each row's sinks, window start and K at its context (compact.RowGeometry), made once with
+    # the plan from ``configs`` and ``context``, and read by every layer of the step; None while
+    # ``context`` is None (the step's SFIStep then makes them from the metadata's lengths)
+    geometry: list[RowGeometry] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.context is not None:
+            self.geometry = [RowGeometry.at(cfg, ctx) for cfg, ctx in zip(self.configs, self.context)]
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sfi_vllm.compact import RowGeometry
 from sfi_vllm.config import build_config
 from sfi_vllm.controller import SFIController, same_engine
 from sfi_vllm.lossless import PADDING_SLOT, plan_draft
@@ -142,6 +143,7 @@ def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fas
     assert plan.modes == [StepMode.SLOW, StepMode.SLOW] and plan.reasons == [SlowReason.VERIFY] * 2
     assert plan.query_tokens == [2, 11]  # the sampled token of each row
     assert plan.context == [104, 307]  # up to and including it
+    assert plan.geometry == [RowGeometry.at(c, n) for c, n in zip(plan.configs, [104, 307])]  # at that context
     assert plan.refresh_all == [True, True]
     assert (ctl.stats.get("a").accepted_tokens, ctl.stats.get("b").accepted_tokens) == (1, 4)
     # next drafter pass: one token per row, fast

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
-from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, selected_count, window_start
+from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, RowGeometry
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
@@ -45,6 +45,9 @@ class SFIStep:
     plan: StepPlan
     row_token: list[int]  # the token index each row's SFI work reads (its first, or plan.query_tokens)
     seq_lens: list[int]  # tokens in the cache per row, including this step's
+    # the plan's rows' RowGeometry at seq_lens: plan.geometry, or made from the metadata's
+    # lengths for a plan without host context lengths
+    geometry: list[RowGeometry]
     block_table: torch.Tensor  # (num_reqs, max_blocks)
     fast_rows: list[int]
     slow_rows: list[int]
@@ -129,6 +132,9 @@ def make_step(
         seq_lens = list(plan.context) + [0] * (n - plan.num_reqs)
     else:
         seq_lens = cam.seq_lens.tolist()
+    geometry = plan.geometry
+    if geometry is None:
+        geometry = [RowGeometry.at(cfg, ctx) for cfg, ctx in zip(plan.configs, seq_lens)]
     fast = [i for i, m in enumerate(modes) if m == StepMode.FAST]
     slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
     kernel = [i for i, m in enumerate(modes) if m != StepMode.FAST]
@@ -139,6 +145,7 @@ def make_step(
         plan=plan,
         row_token=row_token,
         seq_lens=seq_lens,
+        geometry=geometry,
         block_table=cam.block_table_tensor,
         fast_rows=fast,
         slow_rows=slow,
@@ -164,14 +171,14 @@ def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
     out[0] = -1
     if plan is None:
         return out
-    assert plan.context is not None, "the controller's plans carry host context lengths"
+    assert plan.geometry is not None, "the controller's plans carry host context lengths"
     for j, i in enumerate(rows):
         if i >= plan.num_reqs or plan.modes[i] != StepMode.FAST or plan.configs[i].policy == "quest":
             continue
         cfg = plan.configs[i]
         out[0, j] = plan.slots[i]
         if cfg.slides_window:
-            out[1, j] = window_start(cfg, plan.context[i])
+            out[1, j] = plan.geometry[i].window_start
     return out
 
 
@@ -179,12 +186,12 @@ def record_fast_rows(controller: SFIController, plan: StepPlan, rows: list[int],
                      buf: PackedCompactBuffer) -> None:
     """Statistics of the fast rows of a GPU step, once per step from one layer's compact buffer
     (the kernel path does no per-layer host work)."""
-    assert plan.context is not None
+    assert plan.context is not None and plan.geometry is not None
     for i in rows:
         slot, ctx = plan.slots[i], plan.context[i]
-        ws = buf.window_start[slot]
+        ws = buf.window_start[slot]  # fixed at the slow step that packed the set
         if plan.configs[i].slides_window:
-            ws = max(ws, window_start(plan.configs[i], ctx))
+            ws = max(ws, plan.geometry[i].window_start)
         controller.stats.record_fast_layer(plan.req_ids[i], buf.length[slot] + ctx - ws, ctx)
 
 
@@ -231,9 +238,8 @@ def all_scored(plan: StepPlan, step: SFIStep, rows: list[int], sinks: int) -> bo
     """Whether every row selects ``0 < K`` of more than ``K`` candidates (the Selector runs for
     all of them; the per-step refresh serves only such groups)."""
     for r in rows:
-        cfg, ctx = plan.configs[r], step.seq_lens[r]
-        k = selected_count(cfg, ctx)
-        if not 0 < k < window_start(cfg, ctx) - sinks:
+        g = step.geometry[r]
+        if not 0 < g.selected < g.window_start - sinks:
             return False
     return True
 
@@ -289,10 +295,9 @@ class SFILayer:
             cfg = plan.configs[row]
             ctx = step.seq_lens[row]
             bt = step.block_table[row]
-            ws = window_start(cfg, ctx)
-            sinks = min(cfg.sinks, ctx)
-            k = selected_count(cfg, ctx)
-            if 0 < k < ws - sinks:
+            g = step.geometry[row]
+            ws, sinks, k = g.window_start, g.sinks, g.selected
+            if g.scored:
                 keys, _ = paged.gather_range(bt, 0, ctx, want_values=False)
                 q = query[step.row_token[row]].view(self.num_heads, self.head_size)
                 probs = attention_probs(q, keys, self.scale)
@@ -318,7 +323,7 @@ class SFILayer:
             t = step.row_token[row]
             q = query[t].view(self.num_heads, self.head_size)
             if cfg.policy == "quest":
-                ck, cv, ws = self._quest_set(q, paged, bt, ctx, cfg)
+                ck, cv, ws = self._quest_set(q, paged, bt, step.geometry[row], cfg)
             else:
                 entry = self.buffer.get(plan.slots[row], plan.generations[row])
                 if entry is None:
@@ -327,23 +332,26 @@ class SFILayer:
                         "(a slow step must come first); this is a bug"
                     )
                 ck, cv = entry.keys, entry.values
-                ws = self._window_start(cfg, ctx, entry.window_start)
+                ws = self._window_start(cfg, step.geometry[row], entry.window_start)
             wk, wv = paged.gather_range(bt, ws, ctx)
             out = fast_step_attention(q, ck, cv, wk, wv, self.scale)
             output[t] = out.view_as(output[t]).to(output.dtype)
             self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
 
-    def _window_start(self, cfg, ctx: int, selected_at: int) -> int:
-        return max(selected_at, window_start(cfg, ctx)) if cfg.slides_window else selected_at
+    @staticmethod
+    def _window_start(cfg, geometry: RowGeometry, selected_at: int) -> int:
+        """A fast row's window start: ``selected_at``, fixed at the slow step that packed its
+        compact set, or with a sliding window the step's own (``geometry``) once that is later."""
+        return max(selected_at, geometry.window_start) if cfg.slides_window else selected_at
 
-    def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, ctx: int, cfg):
+    def _quest_set(self, q: torch.Tensor, paged: PagedKV, bt: torch.Tensor, geometry: RowGeometry, cfg):
         """Quest-style selection for one step: sinks + the pages whose key min/max bound q.k
         highest (per KV head, the max over its query heads), within ``K`` tokens."""
-        ws = window_start(cfg, ctx)
-        sinks = min(cfg.sinks, ctx)
+        ws = geometry.window_start
+        sinks = geometry.sinks
         page = cfg.quest_page
         n_pages = (ws - sinks) // page  # whole pages between the sinks and the window
-        budget_pages = min(n_pages, cfg.selected_budget(ctx) // page)
+        budget_pages = min(n_pages, geometry.budget // page)
         lo = ws - n_pages * page  # pages end at the window; any remainder joins the window's left
         ws = lo if n_pages == budget_pages else ws
         pos = torch.arange(sinks, device=bt.device)

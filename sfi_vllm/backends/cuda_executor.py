@@ -27,7 +27,7 @@ import torch
 
 from sfi_vllm.backends.selection import SlowStepSelection
 from sfi_vllm.backends.step_refresh import StepRefresh, graph_slow_groups, plan_score_frames, refresh_per_step
-from sfi_vllm.compact import selected_count, window_start
+from sfi_vllm.compact import RowGeometry
 from sfi_vllm.config import SFIConfig
 
 logger = logging.getLogger(__name__)
@@ -62,18 +62,18 @@ class CudaExecutor:
         """Put the plan's slow rows inside the step's CUDA graph (``plan.graph_slow``) where they
         can all be refreshed after the step from staged queries, with their fused score frames."""
         plan.graph_slow = self._slow_rows_fit_graph([plan.configs[i] for i in slow],
-                                                    [plan.context[i] for i in slow])
+                                                    [plan.geometry[i] for i in slow])
         if plan.graph_slow and self.fused_scores is not None:
             plan.score_layout = self._score_layout(plan)
 
-    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], contexts: list[int]) -> bool:
-        """Per-step refresh, every layer, the Selector needed for every row."""
+    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], geometry: list[RowGeometry]) -> bool:
+        """Per-step refresh, every layer, the Selector needed for every row (``geometry``: the
+        rows' at the step's context)."""
+        contexts = [g.context for g in geometry]
         if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(self.cfg.slow_refresh, contexts):
             return False
-        for cfg, ctx in zip(cfgs, contexts):
-            k = selected_count(cfg, ctx)
-            candidates = window_start(cfg, ctx) - min(cfg.sinks, ctx)
-            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not 0 < k < candidates:
+        for cfg, g in zip(cfgs, geometry):
+            if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not g.scored:
                 return False
         return True
 

@@ -17,7 +17,7 @@ import torch
 from sfi_vllm.backends.common import FastRows, SFILayer, SFIStep, _to_device, all_scored
 from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.backends.step_refresh import refresh_per_step
-from sfi_vllm.compact import PackedCompactBuffer, selected_count, window_start
+from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.controller import SFIController
 from sfi_vllm.host_copy import tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
@@ -40,8 +40,7 @@ class PackedSFILayer(SFILayer):
         rows = [r for r in step.slow_rows if self.refreshes(plan, r, layer_idx)]
         groups: dict = {}
         for r in rows:  # rows that share selector settings and sinks are scored together
-            cfg = plan.configs[r]
-            groups.setdefault((cfg.selector, min(cfg.sinks, step.seq_lens[r])), []).append(r)
+            groups.setdefault((plan.configs[r].selector, step.geometry[r].sinks), []).append(r)
         if not groups:
             return
         dev = query.device
@@ -87,9 +86,9 @@ class PackedSFILayer(SFILayer):
         assert buf is not None
         cfg0 = plan.configs[rows[0]]
         ctx = [step.seq_lens[r] for r in rows]
-        ws = [window_start(plan.configs[r], c) for r, c in zip(rows, ctx)]
-        sinks = min(cfg0.sinks, ctx[0])
-        k = [selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)]
+        ws = [step.geometry[r].window_start for r in rows]
+        sinks = step.geometry[rows[0]].sinks
+        k = [step.geometry[r].selected for r in rows]
         dev = q_rows.device
         hkv = self.num_kv_heads
         kmax = max(k)
@@ -135,7 +134,7 @@ class PackedSFILayer(SFILayer):
             for r in rows:  # rows of one page size and sink count are selected together
                 cfg = plan.configs[r]
                 if cfg.quest_page <= 128:
-                    groups.setdefault((cfg.quest_page, min(cfg.sinks, step.seq_lens[r])), []).append(r)
+                    groups.setdefault((cfg.quest_page, step.geometry[r].sinks), []).append(r)
             for (page, sinks), group in groups.items():
                 self._quest_packed(step, paged, query, output, group, page, sinks)
             done = {r for g in groups.values() for r in g}
@@ -159,11 +158,11 @@ class PackedSFILayer(SFILayer):
         hkv = self.num_kv_heads
         ctx = [step.seq_lens[r] for r in rows]
         lo, n_pages, budget, ws = [], [], [], []
-        for r, c in zip(rows, ctx):
-            cfg = plan.configs[r]
-            w = window_start(cfg, c)
+        for r in rows:
+            g = step.geometry[r]
+            w = g.window_start
             n = (w - sinks) // page  # whole pages between the sinks and the window
-            k = min(n, cfg.selected_budget(c) // page)
+            k = min(n, g.budget // page)
             lo.append(w - n * page)  # pages end at the window; a remainder joins the window's left
             n_pages.append(n)
             budget.append(k)

@@ -67,11 +67,10 @@ def graph_slow_groups(plan) -> dict[tuple, list[int]]:
     by Selector setting and sink count, in row order."""
     from sfi_vllm.trigger import StepMode
 
-    assert plan.context is not None
+    assert plan.geometry is not None
     groups: dict[tuple, list[int]] = {}
     for r in plan.rows(StepMode.SLOW):
-        cfg, ctx = plan.configs[r], plan.context[r]
-        groups.setdefault((cfg.selector, min(cfg.sinks, ctx)), []).append(r)
+        groups.setdefault((plan.configs[r].selector, plan.geometry[r].sinks), []).append(r)
     return groups
 
 
@@ -207,8 +206,6 @@ class StepRefresh:
         """Stage layer ``layer``'s queries of the slow ``rows`` (all scored) for :meth:`flush`.
         ``query (tokens, Hq, D)``; ``tok``/``bt``: the rows' token indices and block-table rows,
         made once per step."""
-        from sfi_vllm.compact import selected_count, window_start
-
         plan = step.plan
         cfg = plan.configs[rows[0]]
         key = (tuple(rows), sinks, cfg.selector)
@@ -223,8 +220,8 @@ class StepRefresh:
                                                          dtype=query.dtype, device=query.device)
             job = self._pending[key] = _Job(
                 rows=tuple(rows), cfg=cfg, sinks=sinks, ctx=ctx,
-                ws=[window_start(plan.configs[r], c) for r, c in zip(rows, ctx)],
-                k=[selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                ws=[step.geometry[r].window_start for r in rows],
+                k=[step.geometry[r].selected for r in rows],
                 slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
                 tok=tok, bt=bt, stage=stage)
         torch.index_select(query, 0, job.tok, out=job.stage[layer.index])
@@ -239,7 +236,6 @@ class StepRefresh:
         """Jobs for the slow rows of a step that ran as a uniform step (``slow_in_graph``): every
         layer's queries are in its own stage, written by the fast-step kernel; row ``b`` of the
         batch is token ``b``."""
-        from sfi_vllm.compact import selected_count, window_start
         from sfi_vllm.host_copy import tensor_to_device
 
         layers = list(layers)
@@ -247,7 +243,7 @@ class StepRefresh:
         if missing:
             raise RuntimeError(f"sfi-vllm: slow_in_graph: layers {missing[:4]} have no query stage or KV views "
                                "(their impl did not set them up); this is a bug")
-        assert plan.context is not None
+        assert plan.context is not None and plan.geometry is not None
         layout = plan.score_layout or {}
         buffers = executor.fused_scores
         if layout and (buffers is None or buffers.layers != len(layers)
@@ -260,8 +256,8 @@ class StepRefresh:
             ctx = [plan.context[r] for r in rows]
             self._pending[("graph", tuple(rows), sinks, sel)] = _Job(
                 rows=tuple(rows), cfg=plan.configs[rows[0]], sinks=sinks, ctx=ctx,
-                ws=[window_start(plan.configs[r], c) for r, c in zip(rows, ctx)],
-                k=[selected_count(plan.configs[r], c) for r, c in zip(rows, ctx)],
+                ws=[plan.geometry[r].window_start for r in rows],
+                k=[plan.geometry[r].selected for r in rows],
                 slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
                 tok=rows_dev, bt=block_table[rows_dev].to(torch.int32), stage=None, rows_idx=list(rows),
                 layers=layers, kv=[l.kv for l in layers],

@@ -147,6 +147,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
+    from sfi_vllm.compact import RowGeometry
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
@@ -165,7 +166,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ctl.executor.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
     if fused:  # as the CUDA impl allocates them
         ctl.executor.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
-    assert ctl.executor._slow_rows_fit_graph([ctl.cfg] * n, list(seq_lens))
+    assert ctl.executor._slow_rows_fit_graph([ctl.cfg] * n, [RowGeometry.at(ctl.cfg, c) for c in seq_lens])
     g = torch.Generator().manual_seed(13)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=9)
     pageds = [PagedKV(paged0.kv_cache.clone(), "flash", d) for _ in range(layers)]
