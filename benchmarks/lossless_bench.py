@@ -57,6 +57,10 @@ def main() -> int:
     ap.add_argument("--spec-tokens", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--control", action="store_true", help="also vLLM's speculative decoding with a dense drafter")
     ap.add_argument("--modes", default="lossy,lossless", help="which SFI modes to run per budget")
+    ap.add_argument("--sfi", default="{}", help="JSON: more SFI settings for the SFI engines "
+                    "(e.g. '{\"draft_reselect\": \"reuse_budget\"}')")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the dense engine (agreement with dense is then not reported)")
     ap.add_argument("--out", default=None, help="append the results here (JSON lines)")
     args = ap.parse_args()
 
@@ -67,7 +71,8 @@ def main() -> int:
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.tools.texts import long_prompts
 
-    preset = PRESETS[args.device_preset]
+    preset = dict(PRESETS[args.device_preset])
+    preset["sfi"] = {**preset["sfi"], **json.loads(args.sfi)}
     model = args.model or str(prepare_model(progress=False))
     tok = AutoTokenizer.from_pretrained(model)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -104,7 +109,7 @@ def main() -> int:
         for c in contexts:
             idx = [i for i, n in enumerate(lengths) if n == c]
             outs = [r["outputs"][i] for i in idx]
-            refs = [dense["outputs"][i] for i in idx]
+            refs = [dense["outputs"][i] for i in idx] if dense is not None else []
             st = [stats[o["request_id"]] for o in outs if o["request_id"] in stats]
             rec = dict(
                 mode=mode, budget=budget, sfi=None if mode in ("dense", "dense_drafter") else
@@ -114,14 +119,18 @@ def main() -> int:
                 spec_tokens=args.spec_tokens if mode in ("lossless", "dense_drafter") else None,
                 engine_generate_s=round(r["generate_s"], 1),
                 out_tokens=[len(o["token_ids"]) for o in outs],
-                agree_with_dense=[common_prefix_len(d["token_ids"], o["token_ids"]) for d, o in zip(refs, outs)],
-                identical_to_dense=all(d["token_ids"] == o["token_ids"] for d, o in zip(refs, outs)),
+                agree_with_dense=None if dense is None else
+                [common_prefix_len(d["token_ids"], o["token_ids"]) for d, o in zip(refs, outs)],
+                identical_to_dense=None if dense is None else
+                all(d["token_ids"] == o["token_ids"] for d, o in zip(refs, outs)),
             )
             if st:
                 rec["attended_fraction"] = [s["attended_fraction"] for s in st]
                 if mode == "lossless":
                     rec["acceptance_length"] = [s["acceptance_length"] for s in st]
                     rec["accepted_of_drafted"] = [f'{s["accepted_tokens"]}/{s["drafted_tokens"]}' for s in st]
+                    # the drafter's dense first passes (re-selections) against the verify steps
+                    rec["reselections_of_verifies"] = [f'{s["slow_steps"]}/{s["verify_steps"]}' for s in st]
                     acc = sum(s["accepted_tokens"] for s in st)
                     ver = sum(s["verify_steps"] for s in st)
                     rec["tokens_per_verify"] = round(sum(len(o["token_ids"]) for o in outs) / max(1, ver), 2)
@@ -133,8 +142,9 @@ def main() -> int:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
 
-    dense = run(engine_kwargs=engine)
-    report("dense", None, dense)
+    dense = None if args.no_dense else run(engine_kwargs=engine)
+    if dense is not None:
+        report("dense", None, dense)
     if args.control:
         report("dense_drafter", None, run(engine_kwargs={**engine, "speculative_config": spec}))
     modes = args.modes.split(",")

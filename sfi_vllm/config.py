@@ -205,6 +205,14 @@ class Policy(_SettingsModel):
     layer_interleaved_refresh: bool = Field(
         False, description="a slow step refreshes half of the layers (odd/even alternating)"
     )
+    draft_reselect: Literal["verify", "reuse_budget"] = Field(
+        "verify",
+        description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "
+        "(the drafter's first pass over the verified tokens attends densely and re-selects at the "
+        "last one). reuse_budget: once reuse_budget tokens have been verified since its last "
+        "selection; the first passes in between are fast steps, which saves a dense pass per verify "
+        "and computes the drafter's KV of the verified tokens sparsely (docs/lossless.md)",
+    )
 
     # Selection.
     selector: SelectorConfig = Field(default_factory=SelectorConfig)

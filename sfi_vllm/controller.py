@@ -105,6 +105,9 @@ class SFIController:
         self.slot_of: dict[str, int] = {}
         self.generation = [0] * self.num_slots
         self.slow_count = [0] * self.num_slots
+        # sfi.mode lossless, draft_reselect reuse_budget: tokens verified since the drafter's last
+        # selection per slot (-1: no selection yet)
+        self.verified_since_selection = [-1] * self.num_slots
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against
@@ -304,6 +307,7 @@ class SFIController:
     def _reset(self, slot: int) -> None:
         self.generation[slot] += 1
         self.slow_count[slot] = 0
+        self.verified_since_selection[slot] = -1
         self.trigger.reset(torch.tensor([slot]))
         if slot < self.compact_slots:
             for buf in self.buffers:

@@ -8,13 +8,16 @@ Per engine step, in this order:
    tokens drafted for it, and vLLM's rejection sampler keeps the longest prefix the model agrees
    with plus one token of its own (:meth:`SFIController._plan_verify` plans it);
 2. the drafter's first pass over the same rows, each extended by the token just sampled, with the
-   rejected drafts as padding: dense, writing the drafter's KV; its last real token's query
-   re-selects every layer's compact set (a slow step, reason ``verify``);
+   rejected drafts as padding, writing the drafter's KV: dense, its last real token's query
+   re-selecting every layer's compact set (a slow step, reason ``verify``); or, with
+   ``draft_reselect: reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified
+   since the last selection, a fast step for each of its real tokens;
 3. ``k - 1`` drafter passes of one token per row: fast steps on that compact set and the recent
    window.
 
-So a request's drafts always read a selection made at its last verified token; the reuse budget,
-boundary trigger, bridge and min_gap of the lossy mode do not apply. :func:`plan_draft` turns the
+So by default a request's drafts read a selection made at its last verified token; the boundary
+trigger, bridge and min_gap of the lossy mode do not apply, and the reuse budget only with
+``draft_reselect: reuse_budget``. :func:`plan_draft` turns the
 model step's plan and the drafter's attention metadata into each pass's plan.
 """
 
@@ -63,10 +66,19 @@ def plan_draft(controller: SFIController, cam: Any, draft_index: int) -> StepPla
                 stats.record_accepted(base.req_ids[i], last - start - 1)
             query_tokens[i], context[i] = last, seq_lens[i] - pad
             cfg = base.configs[i]
+            slot = base.slots[i]
+            since = controller.verified_since_selection[slot]
+            verified = last - start  # the accepted drafts and the token just sampled
             if cfg.policy in ("dense", "quest"):
                 modes[i] = int(StepMode.DENSE)  # no compact set to make (quest selects per step)
+            elif cfg.draft_reselect == "reuse_budget" and since >= 0 and since + verified < cfg.reuse_budget:
+                # the compact sets of the last selection still serve: every token of the pass is
+                # a fast step on them and the recent window
+                modes[i] = int(StepMode.FAST)
+                controller.verified_since_selection[slot] = since + verified
             else:
                 modes[i], reasons[i] = int(StepMode.SLOW), int(SlowReason.VERIFY)
+                controller.verified_since_selection[slot] = 0
             stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
     else:
         for i in range(base.num_reqs):

@@ -214,3 +214,39 @@ def test_sampled_tokens_follow_the_models_distribution_whatever_the_draft(monkey
     assert ((freq - p.double()).abs() <= 4.5 * sigma).all(), (freq, p)
     accepted = (first == draft).double().mean()
     assert abs(accepted - p[draft]) <= 4.5 * float(sigma[draft])  # acceptance = p(draft)
+
+
+def test_reuse_budget_reselection_drafts_fast_first_passes_until_the_budget_is_spent():
+    """draft_reselect reuse_budget: the drafter's first pass re-selects only when reuse_budget tokens
+    have been verified since its last selection; in between it is a fast step for every verified token."""
+    cfg = {**LOSSLESS, "draft_reselect": "reuse_budget", "reuse_budget": 8, "min_gap": 0}
+    ctl = SFIController(build_config({**cfg, "boundary_token_ids": [7]}), fake_vllm_config(cfg))
+    z = torch.zeros(1, dtype=torch.long)
+    ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], z)
+    modes, ctx = [], 101
+    for _ in range(4):  # four verify steps, all 4 drafts accepted each time (5 tokens verified)
+        ctl.plan_step(["a"], np.array([5]), np.array([ctx]), [100], z)
+        cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 5]), query_start_loc_cpu=torch.tensor([0, 6]),
+                   slot_mapping=torch.arange(6))
+        plan = plan_draft(ctl, cam, 0)
+        modes.append(plan.modes[0])
+        assert plan.query_tokens == [5] and plan.context == [ctx + 5]
+        ctx += 5
+    # no selection yet: slow; 5 < 8 verified since: fast; 10: slow; 5: fast
+    assert modes == [StepMode.SLOW, StepMode.FAST, StepMode.SLOW, StepMode.FAST]
+    st = ctl.stats.get("a")
+    assert dict(st.slow_reasons) == {"verify": 2} and st.accepted_tokens == 16
+    # a new prefill (preemption, a new request in the slot) forgets the selection
+    ctl.plan_step(["a"], np.array([30]), np.array([0]), [100], z)
+    assert ctl.verified_since_selection[ctl.slot_of["a"]] == -1
+
+
+def test_default_reselection_is_every_verify():
+    ctl = _controller()
+    z = torch.zeros(1, dtype=torch.long)
+    ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], z)
+    for ctx in (101, 106):
+        ctl.plan_step(["a"], np.array([5]), np.array([ctx]), [100], z)
+        cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 5]), query_start_loc_cpu=torch.tensor([0, 6]),
+                   slot_mapping=torch.arange(6))
+        assert plan_draft(ctl, cam, 0).modes == [StepMode.SLOW]

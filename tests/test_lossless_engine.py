@@ -73,6 +73,25 @@ def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
         assert 0 < st["attended_fraction"] < 0.25  # the fast steps' working set against the context
 
 
+REUSE = {"draft_reselect": "reuse_budget", "reuse_budget": 16, "min_gap": 0}
+
+
+def test_reselection_by_reuse_budget_keeps_the_output_and_drafts_fast_first_passes(model_dir, requests, dense):
+    """draft_reselect reuse_budget: most first passes are fast steps over several verified tokens
+    (the multi-token fast rows of the reference path); the output is still dense's."""
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    short = [{**r, "max_tokens": 128} for r in requests[:2]]
+    r = _run(model_dir, short, attention_backend="sfi", sfi={**SMALL, **REUSE, "mode": "lossless"},
+             engine={"speculative_config": spec})
+    for d, s in zip(dense["outputs"], r["outputs"]):
+        assert s["token_ids"] == d["token_ids"][:128]
+    for st in r["sfi_stats"].values():
+        # a re-selection about every 16 verified tokens, not at each of the ~30 verifies
+        assert 0 < st["slow_steps"] < st["verify_steps"] / 2
+        assert st["slow_reasons"] == {"verify": st["slow_steps"]}
+        assert st["verify_steps"] < st["accepted_tokens"] < st["drafted_tokens"]
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(additional_config={"sfi": {"mode": "lossless"}}), "add --speculative-config '{\"method\": \"draft_model\""),
     (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}), "only as sfi.mode lossless"),

@@ -171,6 +171,36 @@ def test_fast_step_with_small_budget_attends_exactly_the_working_set(layout):
     assert st.fast_layer_evals == 1 and st.fast_attended_tokens == 4 + 24 + (700 - ((700 - 32) // 16) * 16)
 
 
+@pytest.mark.parametrize("window_mode", ["grow", "slide"])
+def test_a_multi_token_fast_row_attends_causally_for_each_token(window_mode):
+    """A drafter's first pass without re-selection (sfi.mode lossless, draft_reselect reuse_budget):
+    one row holds several tokens, each a fast step on the compact set and the window up to itself;
+    the tokens after the row's last real one (rejected drafts) get zeros."""
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0, "window_mode": window_mode}
+    ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **cfg}, use_env=False),
+                        fake_vllm_config(cfg))
+    c = ctl.cfg
+    layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    ctx = 400
+    paged, cam, q, ks, vs = make_batch("flash", 16, [ctx], [6])  # 6 tokens: 4 real, 2 padding
+    slow = plan_for([StepMode.SLOW], cfg=c, context=[ctx - 20])  # selected 20 tokens ago, from token 0
+    layer.refresh(make_step(slow, cam, lambda s: None), paged, q, layer_idx=0)
+    entry = layer.buffer.get(0, 1)
+    fast = plan_for([StepMode.FAST], cfg=c, context=[ctx - 2])
+    fast.query_tokens = [3]  # the row's last real token; tokens 0-3 sit at contexts ctx-5 .. ctx-2
+    out = torch.full_like(q, float("nan"))
+    layer.fast(make_step(fast, cam, lambda s: None), paged, q, out)
+    k_all, v_all = ks[0].permute(1, 0, 2), vs[0].permute(1, 0, 2)
+    for u in range(4):
+        ctx_u = ctx - 5 + u
+        ws = max(entry.window_start, window_start(c, ctx_u)) if window_mode == "slide" else entry.window_start
+        keep = [torch.cat([entry.positions[h], torch.arange(ws, ctx_u)]) for h in range(3)]
+        ref = brute_force(q[u], k_all, v_all, 0.125, keep)
+        assert torch.allclose(out[u].double(), ref, atol=1e-5), u
+    assert (out[4:6] == 0).all()
+    assert ctl.stats.get("r0").fast_layer_evals == 4
+
+
 def test_fast_step_without_compact_set_is_an_error():
     cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0}
     ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **cfg}, use_env=False), fake_vllm_config(cfg))

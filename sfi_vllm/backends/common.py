@@ -58,6 +58,11 @@ class SFIStep:
     # GPU path: device tensors a slow step's layers share (index tensors, block-table rows,
     # lengths, position buffers), made by the first layer that needs them
     layer_cache: dict = field(default_factory=dict)
+    # each row's token span [row_first, row_end) in the batch; a fast row attends for every token
+    # from row_first to row_token (a drafter's first pass: its verified tokens; later tokens are
+    # padding). None: one token per fast row, row_token
+    row_first: list[int] | None = None
+    row_end: list[int] | None = None
 
 
 @dataclass
@@ -151,6 +156,8 @@ def make_step(
         slow_rows=slow,
         kernel_rows=kernel,
         kernel_token_idx=None,
+        row_first=qsl[:-1],
+        row_end=qsl[1:],
     )
     if fast and kernel:
         sub, tok = subset_common_metadata(cam, kernel, seq_lens)
@@ -333,10 +340,19 @@ class SFILayer:
                     )
                 ck, cv = entry.keys, entry.values
                 ws = self._window_start(cfg, step.geometry[row], entry.window_start)
-            wk, wv = paged.gather_range(bt, ws, ctx)
-            out = fast_step_attention(q, ck, cv, wk, wv, self.scale)
-            output[t] = out.view_as(output[t]).to(output.dtype)
-            self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx - ws), ctx)
+            first = t if step.row_first is None or cfg.policy == "quest" else step.row_first[row]
+            # causal: token u of the row sees the compact set and the window up to itself
+            for u in range(first, t + 1):
+                ctx_u, ws_u = ctx - (t - u), ws
+                if u < t and cfg.slides_window:  # a sliding window starts where it does at u
+                    ws_u = self._window_start(cfg, RowGeometry.at(cfg, ctx_u), entry.window_start)
+                wk, wv = paged.gather_range(bt, ws_u, ctx_u)
+                qu = q if u == t else query[u].view(self.num_heads, self.head_size)
+                out = fast_step_attention(qu, ck, cv, wk, wv, self.scale)
+                output[u] = out.view_as(output[u]).to(output.dtype)
+                self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx_u - ws_u), ctx_u)
+            if step.row_end is not None and step.row_end[row] > t + 1:
+                output[t + 1: step.row_end[row]] = 0  # padding after the row's last real token
 
     @staticmethod
     def _window_start(cfg, geometry: RowGeometry, selected_at: int) -> int:
