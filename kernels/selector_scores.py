@@ -22,8 +22,9 @@ took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. 
 The SnapKV-style smoothing of the evidence (``smooth_kernel > 1``, a diagnostic policy) is not
 implemented here: :func:`selector_scores` raises and callers keep the torch path for it. Page
 selection (``page_size > 1``) sums ``log s`` per page in torch (:func:`sfi_vllm.selector.page_mass`,
-then :func:`sfi_vllm.selector.follow_spread`), runs ``_nms_exclusivity`` over the pages, and spreads the page scores back to tokens in torch
-(float64, :func:`sfi_vllm.selector.page_expand`).
+then :func:`sfi_vllm.selector.follow_spread`), runs ``_nms_exclusivity`` over the pages, and returns
+the page scores with the tokens' ``log s`` (:class:`sfi_vllm.selector.PageScores`) for the top-K over
+pages (:func:`sfi_vllm.selector.top_k_pages`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sfi_vllm.selector import follow_spread, page_expand, page_mass, page_radius
+from sfi_vllm.selector import PageScores, follow_spread, page_mass, page_radius
 
 # The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
@@ -314,9 +315,11 @@ def stat_splits(programs: int, width: int, block: int, target: int = TARGET_PROG
 
 def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: torch.Tensor,
                     num_query_rows: int = 1, block: int = 1024, target_programs: int = TARGET_PROGRAMS,
-                    num_warps: int = 8, tile: int = 1024, nms_tile: int = 1024, nms_elems: int = 8192) -> torch.Tensor:
+                    num_warps: int = 8, tile: int = 1024, nms_tile: int = 1024,
+                    nms_elems: int = 8192) -> torch.Tensor | PageScores:
     """``logits (B, Hkv, G, F)`` (the score kernel's, ``-inf`` past each row's context) and
-    ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j``, equal to
+    ``norms (B, Hkv, F)`` -> scores ``(B, Hkv, F - lo)`` of candidates ``lo + j`` (page mode:
+    :class:`~sfi_vllm.selector.PageScores` over them), equal to
     ``batched_scores_static(Selector(cfg), softmax(logits), norms, lo, n)``. ``n (B,)`` float32:
     candidates per row. ``cfg`` is a :class:`sfi_vllm.config.SelectorConfig`. ``block`` and
     ``target_programs`` (the statistics passes), ``num_warps`` (every launch), ``tile`` (the fusion pass's
@@ -376,4 +379,4 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
             cfg.exclusivity_temperature, cfg.exclusivity_strength,
             HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2, num_warps=num_warps)
         log_s = out
-    return page_expand(log_s, token_log_s, page) if page > 1 else log_s
+    return PageScores(log_s, token_log_s, page) if page > 1 else log_s

@@ -16,15 +16,18 @@ recent window), for each KV head:
 
 ``page_size > 1`` (ours, not the paper's) ranks whole pages of candidates instead of tokens: after
 the fusion, each page's score is its fused mass (log-sum-exp of ``log s`` over the page), soft-NMS
-(radius ``ceil(nms_radius / page_size)`` pages) and exclusivity act on page scores, and every
-token takes its page's score plus ``PAGE_TIE_BREAK * log s`` (so top-K takes whole pages, best
-first, and the last, partly taken page keeps its best tokens). A multi-token unit (a number written
-a digit per token) then stays together instead of soft-NMS keeping only its peak token.
+(radius ``ceil(nms_radius / page_size)`` pages) and exclusivity act on page scores
+(:class:`PageScores`), and top-K takes pages whole, best page first, until the budget is reached;
+the last, partly taken page keeps its best tokens by ``log s`` (:func:`top_k_pages`). A multi-token
+unit (a number written a digit per token) then stays together instead of soft-NMS keeping only its
+peak token. The top-K runs over pages, a sixteenth of the tokens at the default page size.
 
 This module is the plain-torch spec; GPU kernels must match it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,16 @@ from sfi_vllm.config import SelectorConfig
 
 _LOG_FLOOR = -80.0  # log-probabilities are clamped here so that differences stay finite
 _EPS = 1e-30
-PAGE_TIE_BREAK = 1e-4  # x log s in [-80, 0]: orders tokens inside a page, at most 0.008 across pages
+
+
+class PageScores(NamedTuple):
+    """Steps 1-5 of page selection: ``pages (..., P)``, the final score of each page of
+    ``page`` candidates (``-inf`` for a page past the row's candidates), and ``tokens (..., W)``,
+    each candidate's fused ``log s`` (``-inf`` past the row's candidates), which orders the tokens
+    of the page that top-K takes only in part."""
+    pages: torch.Tensor
+    tokens: torch.Tensor
+    page: int
 
 
 def page_mass(log_s: torch.Tensor, page: int) -> torch.Tensor:
@@ -42,13 +54,6 @@ def page_mass(log_s: torch.Tensor, page: int) -> torch.Tensor:
     pad = (-log_s.shape[-1]) % page
     x = F.pad(log_s, (0, pad), value=float("-inf"))
     return torch.logsumexp(x.unflatten(-1, (-1, page)), dim=-1)
-
-
-def page_expand(page_scores: torch.Tensor, log_s: torch.Tensor, page: int) -> torch.Tensor:
-    """Token scores from page scores: the page's score plus ``PAGE_TIE_BREAK * log s``, in float64
-    (in float32 the tie-break would lose the order of tokens whose ``log s`` differ by < 3e-3)."""
-    per_token = page_scores.double().repeat_interleave(page, dim=-1)[..., : log_s.shape[-1]]
-    return per_token + PAGE_TIE_BREAK * log_s.double()
 
 
 def follow_spread(page_scores: torch.Tensor, cfg: SelectorConfig) -> torch.Tensor:
@@ -145,8 +150,9 @@ class Selector:
     # all steps ----------------------------------------------------------------------------------
     def scores(
         self, probs: torch.Tensor, key_norms: torch.Tensor, lo: int, hi: int, num_query_rows: int = 1
-    ) -> torch.Tensor:
-        """Final per-candidate scores ``(Hkv, hi - lo)``; higher is kept first."""
+    ) -> torch.Tensor | PageScores:
+        """Final per-candidate scores ``(Hkv, hi - lo)``, higher kept first; in page mode the
+        :class:`PageScores` that :func:`top_k_pages` ranks."""
         f = self.evidence(probs, lo, hi)
         if self.cfg.smooth_kernel > 1:
             k = self.cfg.smooth_kernel
@@ -165,7 +171,7 @@ class Selector:
         if self.cfg.use_exclusivity:
             log_s = self.exclusivity(log_s)
         if page > 1:
-            log_s = page_expand(log_s, token_log_s, page)
+            return PageScores(log_s, token_log_s, page)
         return log_s
 
     def select(
@@ -190,6 +196,9 @@ class Selector:
         if k == n:
             return torch.arange(lo, hi, device=probs.device).expand(hkv, n).clone()
         s = self.scores(probs, key_norms, lo, hi, num_query_rows)
+        if isinstance(s, PageScores):
+            budget = torch.tensor([k], dtype=torch.long, device=probs.device)
+            return top_k_pages(PageScores(s.pages[None], s.tokens[None], s.page), lo, budget, k)[0]
         idx = torch.topk(s, k, dim=-1).indices
         return torch.sort(idx, dim=-1).values + lo
 
@@ -223,9 +232,12 @@ def select_batched_static(selector: Selector, probs: torch.Tensor, key_norms: to
     return top_k_positions(scores, lo, k, kmax)
 
 
-def top_k_positions(scores: torch.Tensor, lo: int, k: torch.Tensor, kmax: int) -> torch.Tensor:
+def top_k_positions(scores: torch.Tensor | PageScores, lo: int, k: torch.Tensor, kmax: int) -> torch.Tensor:
     """Step 6 for a batch: ``scores (B, Hkv, W)`` over candidates ``lo + j`` -> ``(B, Hkv, kmax)``
-    absolute positions, row ``b``'s best ``k[b]`` per head ascending, then padding past the frame."""
+    absolute positions, row ``b``'s best ``k[b]`` per head ascending, then padding past the frame
+    (``lo + W``). :class:`PageScores` go to :func:`top_k_pages`."""
+    if isinstance(scores, PageScores):
+        return top_k_pages(scores, lo, k, kmax)
     width = scores.shape[-1]
     idx = torch.topk(scores, kmax, dim=-1).indices
     keep = torch.arange(kmax, device=scores.device)[None, None, :] < k[:, None, None]
@@ -233,10 +245,40 @@ def top_k_positions(scores: torch.Tensor, lo: int, k: torch.Tensor, kmax: int) -
     return torch.sort(idx, dim=-1).values + lo
 
 
+def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """Step 6 of page selection, as :func:`top_k_positions` returns it: per row and head, pages are
+    taken whole in descending page score until ``k[b]`` tokens are taken; of the page that would pass
+    the budget, its best tokens by ``log s`` (ties to the lower position). Only one page of a row
+    holds fewer than ``page`` candidates (its last), so the ``ceil(kmax / page) + 1`` best pages
+    always hold the budget: top-K runs over those pages and never over the tokens. Ties between
+    equal page scores are taken in any order (as torch.topk's)."""
+    pages, tokens, g = scores
+    B, hkv, units = pages.shape
+    width = tokens.shape[-1]
+    dev = pages.device
+    kp = min(units, -(-kmax // g) + 1)
+    top = torch.topk(pages, kp, dim=-1).indices  # (B, Hkv, kp), best page first
+    off = torch.arange(g, device=dev)
+    pos = top[..., None] * g + off  # (B, Hkv, kp, g) candidate indices
+    inside = pos < width
+    tok = torch.gather(tokens, -1, pos.clamp_max(width - 1).flatten(2)).view(B, hkv, kp, g)
+    tok = torch.where(inside, tok, float("-inf"))
+    valid = tok > float("-inf")  # a candidate of its row (log s >= the floor)
+    counts = valid.sum(-1)  # (B, Hkv, kp)
+    before = torch.cumsum(counts, -1) - counts  # tokens taken from the better pages
+    take = (k[:, None, None] - before).clamp(min=0)  # of this page, its best `take` tokens
+    order = torch.sort(tok, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, off.expand_as(order))
+    taken = valid & (rank < take[..., None])
+    chosen = torch.where(taken, pos, width).flatten(2)
+    return torch.sort(chosen, dim=-1).values[..., :kmax] + lo
+
+
 def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,
-                          n: torch.Tensor, num_query_rows: int = 1) -> torch.Tensor:
+                          n: torch.Tensor, num_query_rows: int = 1) -> torch.Tensor | PageScores:
     """Steps 1-5 for a batch: final scores ``(B, Hkv, W - lo)`` of candidates ``lo + j``; ``-inf``
-    past row ``b``'s ``n[b]`` candidates. The spec of ``sfi_vllm.kernels.selector_scores``."""
+    past row ``b``'s ``n[b]`` candidates (page mode: :class:`PageScores` over them). The spec of
+    ``sfi_vllm.kernels.selector_scores``."""
     c = selector.cfg
     B, hkv = probs.shape[:2]
     dev = probs.device
@@ -301,5 +343,5 @@ def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: to
         log_s = torch.where(valid, log_s + c.exclusivity_strength * log_rho, neg_inf)
 
     if c.page_size > 1:
-        log_s = page_expand(log_s, token_log_s, c.page_size)
+        return PageScores(log_s, token_log_s, c.page_size)
     return log_s

@@ -89,7 +89,7 @@ def test_exclusivity_brute_force_and_skip(rng):
 
 @pytest.mark.parametrize("use", [dict(), dict(use_prior=False), dict(use_nms=False), dict(use_exclusivity=False)])
 def test_select_is_topk_of_scores(use, rng):
-    sel = Selector(SelectorConfig(**use))
+    sel = Selector(SelectorConfig(**use, page_size=0))
     p = _probs(4, 2, 400, rng)
     norms = torch.rand(4, 400 - 4 - 100, generator=rng) + 0.5
     pos = sel.select(p, norms, 4, 300, 32)
@@ -260,3 +260,58 @@ def test_followed_pages_keep_the_rest_of_a_number_that_straddles_a_page_boundary
     page13 = set(range(lo + 208, lo + 224))
     assert set(range(lo + 192, lo + 208)) <= plain and not page13 & plain and lo + 320 in plain
     assert set(range(lo + 192, lo + 208)) <= follow and page13 <= follow
+
+
+def _page_first_brute_force(pages, tokens, page, k):
+    """Page selection's top-K, one head, by hand: pages in descending score (ties to the lower
+    index), each page's candidates in descending log s (ties to the lower position), the first k."""
+    order = sorted(range(len(pages)), key=lambda p: (-pages[p], p))
+    picked = []
+    for p in order:
+        toks = [j for j in range(p * page, min((p + 1) * page, len(tokens))) if tokens[j] > float("-inf")]
+        picked += sorted(toks, key=lambda j: (-tokens[j], j))
+    return sorted(picked[:k])
+
+
+@pytest.mark.parametrize("page,width,n", [(16, 300, 300), (16, 300, 261), (8, 100, 37), (4, 10, 10)])
+def test_top_k_pages_takes_whole_pages_best_first(rng, page, width, n):
+    """top_k_pages against a brute force for every budget up to the candidates, with rows of
+    different budgets in one batch, a last page that holds fewer than ``page`` candidates, and
+    in-page ties (tokens at the log s floor)."""
+    from sfi_vllm.selector import PageScores, top_k_pages
+
+    hkv, lo = 3, 4
+    units = -(-width // page)
+    pages = torch.randn(1, hkv, units, generator=rng)
+    pages[..., units - 1] += 3.0  # the short last page among the best
+    tokens = torch.randn(1, hkv, width, generator=rng)
+    tokens[..., ::5] = -80.0  # ties inside pages
+    tokens[..., n:] = float("-inf")
+    pages[..., -(-n // page):] = float("-inf")  # pages past the candidates
+    for kmax in sorted({1, page - 1, page, page + 1, n // 2, n - 1, n}):
+        ks = [kmax, max(1, kmax // 3), 1]
+        batch = PageScores(pages.expand(3, -1, -1), tokens.expand(3, -1, -1), page)
+        got = top_k_pages(batch, lo, torch.tensor(ks), kmax)
+        assert got.shape == (3, hkv, kmax)
+        for b, k in enumerate(ks):
+            for h in range(hkv):
+                want = _page_first_brute_force(pages[0, h].tolist(), tokens[0, h].tolist(), page, k)
+                assert got[b, h, :k].tolist() == [lo + j for j in want], (kmax, b, h)
+                assert (got[b, h, k:] == lo + width).all()
+
+
+def test_page_select_matches_batched():
+    """Selector.select (one row) and the batched page selection agree (the reference path and the
+    kernel path share top_k_pages)."""
+    from sfi_vllm.selector import select_batched
+
+    gen = torch.Generator().manual_seed(3)
+    sel = Selector(SelectorConfig(page_size=16))
+    lo, ctx = 4, [500, 333]
+    hi = [c - 40 for c in ctx]
+    probs = torch.softmax(torch.randn(2, 4, 2, max(ctx), generator=gen) * 3, -1)
+    norms = torch.rand(2, 4, max(ctx), generator=gen) + 0.3
+    got = select_batched(sel, probs, norms, lo, hi, [100, 37])
+    for b, k in enumerate((100, 37)):
+        ref = sel.select(probs[b], norms[b, :, lo:hi[b]], lo, hi[b], k)
+        assert torch.equal(got[b, :, :k], ref)

@@ -43,8 +43,8 @@ logger = logging.getLogger("sfi_vllm")
 def top_k_function(kind: str, page_size: int = 0):
     """``sfi.experimental.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
     :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm.kernels.top_k``).
-    Page selection (``page_size > 1``) always takes torch's: its token scores are float64 (the page
-    score plus the in-page order), which the kernel's float32 radix select does not take."""
+    Page selection (``page_size > 1``) always takes torch's, whose top-K runs over pages
+    (:func:`sfi_vllm.selector.top_k_pages`); the kernel selects tokens."""
     if kind not in ("torch", "triton"):
         raise ValueError(f"experimental.selector_top_k: unknown kind {kind!r}")
     if kind == "triton" and page_size <= 1:

@@ -18,7 +18,7 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
     statistics passes' tile, and with it how many splits of the frame they use; ``launch``, other
     launch parameters of ``selector_scores`` (those ``benchmarks/selector_bench.py`` times)."""
     from sfi_vllm.config import SelectorConfig
-    from sfi_vllm.selector import Selector, batched_scores_static, top_k_positions
+    from sfi_vllm.selector import PageScores, Selector, batched_scores_static, top_k_positions
     from sfi_vllm.kernels.selector_scores import selector_scores
 
     gen = torch.Generator().manual_seed(seed)
@@ -49,12 +49,15 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
             cfg = SelectorConfig(**over)
             ref = batched_scores_static(Selector(cfg), torch.softmax(logits, -1), norms, lo, n, rows)
             got = selector_scores(cfg, logits, norms, lo, n, rows, block=block, **(launch or {}))
-            assert got.shape == ref.shape, (got.shape, ref.shape)
-            fin = torch.isfinite(ref)
-            assert torch.equal(fin, torch.isfinite(got)), (over, "-inf pattern")
-            err = (got[fin] - ref[fin]).abs().max().item()
-            assert err < 2e-3, (over, rows, err)
-            worst = max(worst, err)
+            assert type(got) is type(ref), (over, type(got), type(ref))
+            pairs = [(got.pages, ref.pages), (got.tokens, ref.tokens)] if isinstance(ref, PageScores) else [(got, ref)]
+            for g_, r_ in pairs:
+                assert g_.shape == r_.shape, (g_.shape, r_.shape)
+                fin = torch.isfinite(r_)
+                assert torch.equal(fin, torch.isfinite(g_)), (over, "-inf pattern")
+                err = (g_[fin] - r_[fin]).abs().max().item()
+                assert err < 2e-3, (over, rows, err)
+                worst = max(worst, err)
             a = top_k_positions(got, lo, k, int(k.max()))
             r = top_k_positions(ref, lo, k, int(k.max()))
             for b in range(B):
