@@ -250,8 +250,9 @@ def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int) -> torc
     taken whole in descending page score until ``k[b]`` tokens are taken; of the page that would pass
     the budget, its best tokens by ``log s`` (ties to the lower position). Only one page of a row
     holds fewer than ``page`` candidates (its last), so the ``ceil(kmax / page) + 1`` best pages
-    always hold the budget: top-K runs over those pages and never over the tokens. Ties between
-    equal page scores are taken in any order (as torch.topk's)."""
+    always hold the budget: top-K runs over those pages and never over the tokens, and only the one
+    page taken in part is ranked inside. Ties between equal page scores are taken in any order (as
+    torch.topk's)."""
     pages, tokens, g = scores
     B, hkv, units = pages.shape
     width = tokens.shape[-1]
@@ -260,18 +261,32 @@ def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int) -> torc
     top = torch.topk(pages, kp, dim=-1).indices  # (B, Hkv, kp), best page first
     off = torch.arange(g, device=dev)
     pos = top[..., None] * g + off  # (B, Hkv, kp, g) candidate indices
-    inside = pos < width
     tok = torch.gather(tokens, -1, pos.clamp_max(width - 1).flatten(2)).view(B, hkv, kp, g)
-    tok = torch.where(inside, tok, float("-inf"))
+    tok = torch.where(pos < width, tok, float("-inf"))
     valid = tok > float("-inf")  # a candidate of its row (log s >= the floor)
     counts = valid.sum(-1)  # (B, Hkv, kp)
     before = torch.cumsum(counts, -1) - counts  # tokens taken from the better pages
-    take = (k[:, None, None] - before).clamp(min=0)  # of this page, its best `take` tokens
-    order = torch.sort(tok, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, off.expand_as(order))
-    taken = valid & (rank < take[..., None])
-    chosen = torch.where(taken, pos, width).flatten(2)
-    return torch.sort(chosen, dim=-1).values[..., :kmax] + lo
+    take = (k[:, None, None] - before).clamp(min=0)  # of this page: its best `take` tokens
+    taken = valid & (take >= counts)[..., None]  # the pages taken whole
+    # the page taken in part (at most one per row and head): its tokens ranked by log s
+    partial = (take > 0) & (take < counts)
+    has = partial.any(-1)
+    at = partial.to(torch.int8).argmax(-1)[..., None, None].expand(B, hkv, 1, g)
+    ptok = torch.gather(tok, 2, at)[:, :, 0]  # (B, Hkv, g)
+    ahead = (ptok[..., None, :] > ptok[..., :, None]) | (
+        (ptok[..., None, :] == ptok[..., :, None]) & (off[None, :] < off[:, None]))
+    rank = ahead.sum(-1)  # [i]: tokens of the page before token i in the order
+    ptake = torch.gather(take, 2, at[..., 0])  # (B, Hkv, 1)
+    part = torch.gather(valid, 2, at)[:, :, 0] & (rank < ptake)
+    taken.scatter_(2, at, torch.where(has[..., None, None], part[:, :, None], torch.gather(taken, 2, at)))
+    # ascending positions: the pages in index order, then the taken tokens packed to the front
+    top, order = torch.sort(top, dim=-1)
+    taken = torch.gather(taken, 2, order[..., None].expand(B, hkv, kp, g)).flatten(2)
+    pos = (top[..., None] * g + off).flatten(2)
+    slot = torch.where(taken, torch.cumsum(taken, -1) - 1, kmax)  # untaken: a column dropped below
+    out = torch.full((B, hkv, kmax + 1), width, dtype=pos.dtype, device=dev)
+    out.scatter_(-1, slot, pos)
+    return out[..., :kmax] + lo
 
 
 def batched_scores_static(selector: Selector, probs: torch.Tensor, key_norms: torch.Tensor, lo: int,

@@ -286,6 +286,7 @@ def test_top_k_pages_takes_whole_pages_best_first(rng, page, width, n):
     pages[..., units - 1] += 3.0  # the short last page among the best
     tokens = torch.randn(1, hkv, width, generator=rng)
     tokens[..., ::5] = -80.0  # ties inside pages
+    tokens[..., n - 1] = 5.0  # the best token of the last page: a frame that is no whole number of pages
     tokens[..., n:] = float("-inf")
     pages[..., -(-n // page):] = float("-inf")  # pages past the candidates
     for kmax in sorted({1, page - 1, page, page + 1, n // 2, n - 1, n}):
