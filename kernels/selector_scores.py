@@ -21,10 +21,12 @@ took 0.56 ms per layer at batch 1 x 8K on the H200, most of it per-launch cost. 
 
 The SnapKV-style smoothing of the evidence (``smooth_kernel > 1``, a diagnostic policy) is not
 implemented here: :func:`selector_scores` raises and callers keep the torch path for it. Page
-selection (``page_size > 1``) sums ``log s`` per page in torch (:func:`sfi_vllm.selector.page_mass`,
-then :func:`sfi_vllm.selector.follow_spread`), runs ``_nms_exclusivity`` over the pages, and returns
-the page scores with the tokens' ``log s`` (:class:`sfi_vllm.selector.PageScores`) for the top-K over
-pages (:func:`sfi_vllm.selector.top_k_pages`).
+selection (``page_size > 1``): ``_fused_log_s`` also writes each page's mass (log-sum-exp of its
+``log s``; in torch, :func:`sfi_vllm.selector.page_mass`, where the page size is no power of two),
+``_nms_exclusivity`` runs over the pages with the following pages
+(:func:`sfi_vllm.selector.follow_spread`) folded into its loads, and the page scores are returned
+with the tokens' ``log s`` (:class:`sfi_vllm.selector.PageScores`) for the top-K over pages
+(:func:`sfi_vllm.selector.top_k_pages`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sfi_vllm.selector import PageScores, follow_spread, page_mass, page_radius
+from sfi_vllm.selector import PageScores, page_mass, page_radius
 
 # The statistics passes split each (row, KV head)'s frame across programs, flash-decoding style.
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
@@ -242,12 +244,14 @@ def _stats_finish(MR, SR, TOT, NUM, DEN, STATS, nsp, lam_max,
 
 
 @triton.jit
-def _fused_log_s(NORMS, N, STATS, LOGS,
-                 stride_nb, stride_nh, stride_sb, stride_sh,
-                 lo, width, w_norm, w_pos, gamma, beta, eta, pos_power,
-                 HKV: tl.constexpr, USE_PRIOR: tl.constexpr, BLOCK: tl.constexpr):
+def _fused_log_s(NORMS, N, STATS, LOGS, PAGES,
+                 stride_nb, stride_nh, stride_sb, stride_sh, stride_pb, stride_ph,
+                 lo, width, units, w_norm, w_pos, gamma, beta, eta, pos_power,
+                 HKV: tl.constexpr, USE_PRIOR: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
     """``LOGS`` holds pass 2's pooled evidence; each element is read and then overwritten with
-    ``log s`` by the same program."""
+    ``log s`` by the same program. ``PAGE > 1`` (a power of two dividing ``BLOCK``): also each
+    page's mass, the log-sum-exp of its ``log s`` (:func:`sfi_vllm.selector.page_mass`), into
+    ``PAGES``."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -274,12 +278,39 @@ def _fused_log_s(NORMS, N, STATS, LOGS,
     log_s = tl.maximum(log_s, -80.0)
     log_s = tl.where(valid, log_s, float("-inf"))
     tl.store(LOGS + b * stride_sb + h * stride_sh + j, log_s, mask=j < width)
+    if PAGE > 1:
+        x = tl.reshape(log_s, (BLOCK // PAGE, PAGE))
+        m = tl.max(x, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        mass = m_safe + tl.log(tl.sum(tl.exp(x - m_safe[:, None]), 1))  # a page of only -inf: -inf
+        p = tl.program_id(1) * (BLOCK // PAGE) + tl.arange(0, BLOCK // PAGE)
+        tl.store(PAGES + b * stride_pb + h * stride_ph + p, mass, mask=p < units)
+
+
+@triton.jit
+def _followed(base, jj, hmask, width, reach, penalty, FOLLOW: tl.constexpr):
+    """Scores at positions ``jj`` (``-inf`` outside ``[0, width)``); with ``FOLLOW``, page mode's
+    following pages: each the best of its own and its ``reach`` predecessors' less ``penalty`` per
+    page of distance, ``-inf`` entries kept (:func:`sfi_vllm.selector.follow_spread`)."""
+    v = tl.load(base + jj[None, :], mask=hmask[:, None] & ((jj >= 0) & (jj < width))[None, :],
+                other=float("-inf"))
+    if FOLLOW:
+        out = v
+        for d in range(1, reach + 1):
+            jd = jj - d
+            w = tl.load(base + jd[None, :], mask=hmask[:, None] & ((jd >= 0) & (jd < width))[None, :],
+                        other=float("-inf"))
+            out = tl.maximum(out, w - d * penalty)
+        v = tl.where(v == float("-inf"), v, out)
+    return v
 
 
 @triton.jit
 def _nms_exclusivity(LOGS, N, OUT, stride_sb, stride_sh, width, radius, nms_strength, excl_temp, excl_strength,
+                     reach, penalty,
                      HKV: tl.constexpr, HKV_PAD: tl.constexpr, USE_NMS: tl.constexpr, USE_EXCL: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     FOLLOW: tl.constexpr, BLOCK: tl.constexpr):
+    """Steps 4-5 over tokens or pages (page mode, with ``FOLLOW``: the following pages first)."""
     b = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs_h = tl.arange(0, HKV_PAD)
@@ -287,14 +318,12 @@ def _nms_exclusivity(LOGS, N, OUT, stride_sb, stride_sh, width, radius, nms_stre
     n = tl.load(N + b)
     valid = j.to(tl.float32) < n
     base = LOGS + b * stride_sb + offs_h[:, None] * stride_sh
-    v = tl.load(base + j[None, :], mask=hmask[:, None] & (j < width)[None, :], other=float("-inf"))
+    v = _followed(base, j, hmask, width, reach, penalty, FOLLOW)
     log_s = v
     if USE_NMS:
         local_max = v
         for d in range(-radius, radius + 1):
-            jj = j + d
-            w = tl.load(base + jj[None, :], mask=hmask[:, None] & ((jj >= 0) & (jj < width))[None, :],
-                        other=float("-inf"))
+            w = _followed(base, j + d, hmask, width, reach, penalty, FOLLOW)
             local_max = tl.maximum(local_max, w)
         log_s = tl.where(valid[None, :], v - nms_strength * (local_max - v), float("-inf"))
     if USE_EXCL:
@@ -360,23 +389,30 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
                                 HKV=hkv, S_PAD=s_pad, BLOCK=block, num_warps=num_warps)
     _stats_finish[(P,)](mr, sr, tot, num, den, stats, nsp, lam_max, S_PAD=s_pad, USE_PRIOR=cfg.use_prior)
     tile = min(block, tile)
+    page = cfg.page_size if cfg.page_size > 1 else 0
+    units = -(-width // page) if page else width
+    # the page masses in the fusion pass where a tile holds whole pages (a power-of-two page size)
+    in_kernel = page and page & (page - 1) == 0 and page <= tile
+    pages = torch.empty(B, hkv, units, dtype=torch.float32, device=dev) if in_kernel else log_s
     _fused_log_s[(B * hkv, triton.cdiv(width, tile))](
-        norms, n, stats, log_s, norms.stride(0), norms.stride(1), log_s.stride(0), log_s.stride(1),
-        lo, width, *prior[1:], HKV=hkv, USE_PRIOR=cfg.use_prior, BLOCK=tile, num_warps=num_warps)
+        norms, n, stats, log_s, pages, norms.stride(0), norms.stride(1), log_s.stride(0), log_s.stride(1),
+        pages.stride(0), pages.stride(1), lo, width, units, *prior[1:], HKV=hkv, USE_PRIOR=cfg.use_prior,
+        BLOCK=tile, PAGE=page if in_kernel else 0, num_warps=num_warps)
     use_excl = cfg.use_exclusivity and hkv > 2
-    page = cfg.page_size
     token_log_s = log_s
-    units, n_units = width, n
-    if page > 1:  # pages: their mass in torch (three ops), then soft-NMS and exclusivity over pages
-        log_s = follow_spread(page_mass(log_s, page), cfg).contiguous()
-        units, n_units = log_s.shape[-1], n / page  # page i is valid iff i * page < n, i.e. i < n / page
+    n_units = n
+    follow = bool(page) and cfg.follow_pages > 0
+    if page:  # steps 4-5 (and the following pages) act on pages
+        log_s = pages if in_kernel else page_mass(log_s, page).contiguous()
+        n_units = n / page  # page i is valid iff i * page < n, i.e. i < n / page
         out = torch.empty_like(log_s)
-    if cfg.use_nms or use_excl:
+    if cfg.use_nms or use_excl or follow:
         hkv_pad = max(2, triton.next_power_of_2(hkv))
         tile2 = max(16, min(nms_tile, nms_elems // hkv_pad))
         _nms_exclusivity[(B, triton.cdiv(units, tile2))](
             log_s, n_units, out, log_s.stride(0), log_s.stride(1), units, page_radius(cfg), cfg.nms_strength,
-            cfg.exclusivity_temperature, cfg.exclusivity_strength,
-            HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, BLOCK=tile2, num_warps=num_warps)
+            cfg.exclusivity_temperature, cfg.exclusivity_strength, cfg.follow_pages, cfg.follow_penalty,
+            HKV=hkv, HKV_PAD=hkv_pad, USE_NMS=cfg.use_nms, USE_EXCL=use_excl, FOLLOW=follow, BLOCK=tile2,
+            num_warps=num_warps)
         log_s = out
     return PageScores(log_s, token_log_s, page) if page > 1 else log_s

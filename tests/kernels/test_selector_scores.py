@@ -42,6 +42,8 @@ def check_selector_scores(device="cuda", hkv=8, g=4, frame=6000, lo=4, seq_lens=
         paper = {"page_size": 0, "use_nms": True, "follow_pages": 0}  # the paper's token-level Selector
         variants = [{}, {"use_prior": False}, {"use_nms": True}, {"use_exclusivity": False},
                     {"page_size": 8, "follow_pages": 3, "follow_penalty": 0.5},
+                    # page masses in torch (no power of two); following pages without steps 4-5
+                    {"page_size": 12, "use_nms": True}, {"page_size": 16, "use_exclusivity": False},
                     paper, {**paper, "use_prior": False}, {**paper, "nms_radius": 3, "alpha": 1.0},
                     {**paper, "use_nms": False, "use_exclusivity": False}]
     for over in variants:
@@ -80,7 +82,7 @@ GPU_LAUNCHES = ((2048, dict(target_programs=2048, num_warps=8, tile=256, nms_til
                 (1024, dict(target_programs=512, num_warps=4, tile=256, nms_tile=256, nms_elems=2048)),
                 (512, dict(target_programs=4096, num_warps=4, tile=256, nms_tile=512, nms_elems=4096)))
 CASES = [
-    case("cpu", CPU_FRAME, id="hkv3-g3-f700-k64-9variants"),
+    case("cpu", CPU_FRAME, id="hkv3-g3-f700-k64-11variants"),
     # 64-token tiles: the statistics passes split the frame 11 ways, some splits past a row's end
     case("cpu", dict(**CPU_FRAME, block=64, variants=[{}, {"use_prior": False},
                                                       {"page_size": 0, "use_nms": True, "follow_pages": 0}]),
@@ -88,10 +90,10 @@ CASES = [
     # other launch parameters: more splits, 8 warps, small pointwise and soft-NMS tiles
     case("cpu", dict(**CPU_FRAME, block=128, variants=[{}], launch=CPU_LAUNCH),
          id="hkv3-g3-f700-k64-" + launch_id(128, CPU_LAUNCH)),
-    case("cuda", {}, id="hkv8-g4-f6000-k512-9variants", selection=True),
-    case("cuda", dict(hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000)), id="hkv3-g3-f9000-k512-9variants",
+    case("cuda", {}, id="hkv8-g4-f6000-k512-11variants", selection=True),
+    case("cuda", dict(hkv=3, g=3, frame=9000, seq_lens=(9000, 8100, 300, 7000)), id="hkv3-g3-f9000-k512-11variants",
          selection=True),
-    case("cuda", dict(frame=131072, seq_lens=(131072, 70000), kmax=2048), id="hkv8-g4-f131072-k2048-9variants",
+    case("cuda", dict(frame=131072, seq_lens=(131072, 70000), kmax=2048), id="hkv8-g4-f131072-k2048-11variants",
          selection=True),  # 32 splits
     *(case("cuda", dict(frame=40000, seq_lens=(40000, 33000), kmax=2048, block=block, variants=[{}], launch=launch),
            id="hkv8-g4-f40000-k2048-" + launch_id(block, launch))
