@@ -7,11 +7,13 @@ cache (FlashAttention NHD layout: ``key_cache[block, offset, kv_head, :]``), whe
 compact sets) ``slot`` is first mapped to the physical set it publishes. A row whose slot is negative has no
 compact set and attends densely to ``[0, seq_len)``; a row with ``seq_len == 0`` writes zeros.
 
-Fused slow-step scores (``scores=``): a dense row whose ``score_base`` is not negative also writes
-what :func:`sfi_vllm.kernels.slow_scores.slow_step_scores` would, from the keys it reads anyway:
-its logits ``q . k * scale`` over ``[0, width)`` (``-inf`` from ``seq_len`` on) and the key norms
-(zero from ``seq_len`` on), so a slow step inside a full CUDA graph needs no second pass over the
-keys. Layout, in units of one token's values (``Hq`` logits or ``Hkv`` norms): layer ``l``'s frame
+Fused slow-step scores (``scores=``): a row whose ``score_base`` is not negative also writes what
+:func:`sfi_vllm.kernels.slow_scores.slow_step_scores` would: its logits ``q . k * scale`` over
+``[0, width)`` (``-inf`` from ``seq_len`` on) and the key norms (zero from ``seq_len`` on). A dense
+row writes them from the keys it reads anyway, so a slow step inside a full CUDA graph needs no
+second pass over the keys; a row with a compact set (a keys-only slow row, ``slow_attention:
+keys``) attends through its set and window and reads the keys of ``[0, seq_len)`` once more, without
+their values, for the scores. Layout, in units of one token's values (``Hq`` logits or ``Hkv`` norms): layer ``l``'s frame
 of the row starts at ``score_base + l * score_layer_stride`` and holds ``(Hkv, G, width)`` logits
 and ``(Hkv, width)`` norms, so the rows of one group of slow rows read as one ``(layers, rows, Hkv,
 G, width)`` tensor (:class:`sfi_vllm.backends.step_refresh.StepRefresh`).
@@ -73,6 +75,29 @@ def _window_tiles(q, m_i, l_i, acc, w_lo, hi, nc, ws, b, h, BT, KC, VC, stride_b
 
 
 @triton.jit
+def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row, gmask,
+                qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A keys-only slow row's scores over split ``s`` of ``[0, seq)``: the logits and key norms that
+    a dense row writes from its window tiles (the same tiles, so the same values), without the values
+    or the softmax."""
+    per = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * per
+    hi = tl.minimum(lo + per, seq)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        nmask = pos < hi
+        blk = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        off = (pos % PAGE).to(tl.int64)
+        k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+                    mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
+        k2 = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+                     mask=nmask[:, None], other=0.0).to(tl.float32)
+        tl.store(nm_row + pos, tl.sqrt(tl.sum(k2 * k2, 1)), mask=nmask)
+
+
+@triton.jit
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer,
@@ -124,7 +149,9 @@ def _fast_decode_split(
     qk_scale = scale * 1.4426950408889634  # exp2
     if HAS_SCORES:  # this row's frame in the fused scores (a negative base: not scored)
         sc_base = tl.load(SC_BASE + b).to(tl.int64)
-        scored = (sc_base >= 0) & (slot_raw < 0)
+        scored = sc_base >= 0
+        dense_scored = scored & (slot_raw < 0)  # scored from its window tiles
+        keys_scored = scored & (slot_raw >= 0)  # scored by a keys-only pass (_key_scores)
         sc_tok = tl.maximum(sc_base, 0) + layer * tl.load(SC_STRIDE + b).to(tl.int64)
         sc_w32 = tl.load(SC_WIDTH + b)
         sc_w = sc_w32.to(tl.int64)
@@ -156,7 +183,7 @@ def _fast_decode_split(
     if HAS_SCORES:
         # one branch per program, above the loop: a branch or a predicated store inside every tile
         # was slower (fused_scores_bench.py)
-        if scored:
+        if dense_scored:
             m_i, l_i, acc = _window_tiles(
                 q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
@@ -173,6 +200,9 @@ def _fast_decode_split(
             gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
 
     if HAS_SCORES:
+        if keys_scored:
+            _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row,
+                        gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, NUM_SPLITS)
         if scored & (s == NUM_SPLITS - 1):  # the frame past the row's keys
             for start in range(seq, sc_w32, BLOCK_N):
                 n = start + offs_n

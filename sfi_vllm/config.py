@@ -205,6 +205,13 @@ class Policy(_SettingsModel):
     layer_interleaved_refresh: bool = Field(
         False, description="a slow step refreshes half of the layers (odd/even alternating)"
     )
+    slow_attention: Literal["dense", "keys"] = Field(
+        "dense",
+        description="what a slow step's own token attends to. dense: the whole context (the "
+        "paper's); keys: the working set it already has, as a fast step does, while the slow step "
+        "reads the keys alone to choose the next set (about half of a dense step's KV reads). The "
+        "first selection after a prefill attends densely either way",
+    )
     draft_reselect: Literal["verify", "reuse_budget"] = Field(
         "verify",
         description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "

@@ -74,6 +74,9 @@ class StepPlan:
     verify: bool = False
     drafted: list[int] | None = None
     sampled: list[bool] | None = None
+    # slow rows that attend through the compact set they already have, as fast rows do, and are
+    # re-selected from their keys alone (``slow_attention: keys``); None: every slow row attends densely
+    keys_only: list[bool] | None = None
     # each row's sinks, window start and K at its context (compact.RowGeometry), made once with
     # the plan from ``configs`` and ``context``, and read by every layer of the step; None while
     # ``context`` is None (the step's SFIStep then makes them from the metadata's lengths)
@@ -85,6 +88,10 @@ class StepPlan:
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
+
+    def attends_set(self, i: int) -> bool:
+        """Row ``i`` attends to its compact set and window: a fast row, or a keys-only slow row."""
+        return self.modes[i] == StepMode.FAST or (self.keys_only is not None and self.keys_only[i])
 
     def row_needs_eager(self, i: int) -> bool:
         """A slow step (selector + repack) or a Quest-style step (per-step page selection): work
@@ -384,6 +391,9 @@ class SFIController:
                 self.slow_count[slots[i]] += 1
             self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i])
         slow = [i for i in range(n) if modes[i] == StepMode.SLOW]
+        # a slow row that already has a compact set may attend through it (slow_attention keys)
+        keys_only = [modes[i] == StepMode.SLOW and reasons[i] != SlowReason.FIRST_DECODE
+                     and self.slot_cfg[slots[i]].slow_attention == "keys" for i in range(n)]
         plan = StepPlan(
             num_reqs=n,
             req_ids=list(req_ids),
@@ -395,6 +405,7 @@ class SFIController:
             slow_counts=slow_counts,
             configs=[self.slot_cfg[s] for s in slots],
             context=context,
+            keys_only=keys_only if any(keys_only) else None,
         )
         if slow and self.executor is not None:
             self.executor.plan(plan, slow)  # slow rows inside the step's CUDA graph, if they fit

@@ -346,3 +346,55 @@ def test_gpu_refresh_timings_are_observed_once_complete_oldest_first_per_layer()
     late.done = True
     ex.collect_timings()
     assert seen[3:] == [0.02, 0.001] and not ex._timings
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_keys_only_slow_row_attends_its_old_set_then_refreshes(layout):
+    """``slow_attention: keys``: a slow row that has a compact set is a fast row for its own token
+    (its set chosen at the last slow step, and the window) and is re-selected from this step's
+    query, as a dense slow row would be; make_step sends it to the fast rows and the refresh, not
+    to the dense kernel."""
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 24, "min_gap": 0, "slow_attention": "keys"}
+    ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **cfg}, use_env=False),
+                        fake_vllm_config(cfg))
+    c = ctl.cfg
+    layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    ctx = 600
+    paged, cam, q, ks, vs = make_batch(layout, 16, [ctx], [1])
+    earlier = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))  # the last slow step's query
+    layer.refresh(make_step(plan_for([StepMode.SLOW], cfg=c, context=[ctx]), cam, lambda s: None), paged,
+                  earlier, layer_idx=0)
+    old = layer.buffer.get(0, 1).positions.clone()
+    plan = plan_for([StepMode.SLOW], cfg=c, context=[ctx])
+    plan.reasons, plan.refresh_all, plan.keys_only = [2], [False], [True]  # a reuse-budget slow step
+    step = make_step(plan, cam, lambda s: 1 / 0)
+    assert step.fast_rows == [0] and step.slow_rows == [0] and step.kernel_rows == []
+    out = torch.full_like(q, float("nan"))
+    layer.fast(step, paged, q, out)  # the order of the impl's forward: attention, then the refresh
+    layer.refresh(step, paged, q, layer_idx=0)
+    k_all, v_all = ks[0].permute(1, 0, 2), vs[0].permute(1, 0, 2)
+    ws = window_start(c, ctx)
+    keep = [torch.cat([old[h], torch.arange(ws, ctx)]) for h in range(3)]
+    assert torch.allclose(out[0].double(), brute_force(q[0], k_all, v_all, 0.125, keep), atol=1e-5)
+    new = layer.buffer.get(0, 1).positions
+    want = Selector(c.selector).select(attention_probs(q[0], k_all, 0.125), k_all[:, 4:ws].norm(dim=-1), 4, ws, 24)
+    assert torch.equal(new[:, 4:], want) and not torch.equal(new, old)
+    assert ctl.stats.get("r0").fast_layer_evals == 0  # counted as a slow step, not a fast one
+
+
+def test_controller_plans_keys_only_slow_rows_after_the_first_selection():
+    import numpy as np
+
+    cfg = {"bridge_steps": 0, "reuse_budget": 2, "min_gap": 0, "boundary_token_ids": [7], "slow_attention": "keys"}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=2))
+    p = ctl.plan_step(["a"], np.array([1]), np.array([40]), [40], torch.tensor([1]))
+    assert p.modes == [StepMode.SLOW] and p.keys_only is None  # the first selection attends densely
+    for ctx in (41, 42):
+        p = ctl.plan_step(["a"], np.array([1]), np.array([ctx]), [40], torch.tensor([1]))
+        assert p.modes == [StepMode.FAST] and p.keys_only is None
+    p = ctl.plan_step(["a"], np.array([1]), np.array([43]), [40], torch.tensor([1]))
+    assert p.modes == [StepMode.SLOW] and p.keys_only == [True] and p.attends_set(0)
+    dense = SFIController(build_config({**cfg, "slow_attention": "dense"}, use_env=False), fake_vllm_config(cfg))
+    for ctx in (40, 41, 42, 43):
+        p = dense.plan_step(["a"], np.array([1]), np.array([ctx]), [40], torch.tensor([1]))
+    assert p.modes == [StepMode.SLOW] and p.keys_only is None and not p.attends_set(0)

@@ -140,9 +140,11 @@ def make_step(
     geometry = plan.geometry
     if geometry is None:
         geometry = [RowGeometry.at(cfg, ctx) for cfg, ctx in zip(plan.configs, seq_lens)]
-    fast = [i for i, m in enumerate(modes) if m == StepMode.FAST]
+    # fast rows and keys-only slow rows attend to their compact sets; the others densely
+    fast = [i for i in range(n) if i < plan.num_reqs and plan.attends_set(i)]
     slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
-    kernel = [i for i, m in enumerate(modes) if m != StepMode.FAST]
+    attends_set = set(fast)
+    kernel = [i for i in range(n) if i not in attends_set]
     row_token = qsl[:-1]
     if plan.query_tokens is not None:  # rows whose query is not their first token
         row_token = list(plan.query_tokens) + row_token[plan.num_reqs:]
@@ -180,7 +182,7 @@ def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
         return out
     assert plan.geometry is not None, "the controller's plans carry host context lengths"
     for j, i in enumerate(rows):
-        if i >= plan.num_reqs or plan.modes[i] != StepMode.FAST or plan.configs[i].policy == "quest":
+        if i >= plan.num_reqs or not plan.attends_set(i) or plan.configs[i].policy == "quest":
             continue
         cfg = plan.configs[i]
         out[0, j] = plan.slots[i]
@@ -350,7 +352,8 @@ class SFILayer:
                 qu = q if u == t else query[u].view(self.num_heads, self.head_size)
                 out = fast_step_attention(qu, ck, cv, wk, wv, self.scale)
                 output[u] = out.view_as(output[u]).to(output.dtype)
-                self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx_u - ws_u), ctx_u)
+                if plan.modes[row] == StepMode.FAST:  # a keys-only slow row counts as a slow step
+                    self.controller.stats.record_fast_layer(plan.req_ids[row], ck.shape[1] + (ctx_u - ws_u), ctx_u)
             if step.row_end is not None and step.row_end[row] > t + 1:
                 output[t + 1: step.row_end[row]] = 0  # padding after the row's last real token
 
@@ -602,6 +605,8 @@ class SFIImplMixin:
             out = output.view(-1, self.num_heads, self.head_size)
             paged = self._paged(kv_cache)
             li = layer_index(layer, self._fallback_index)
-            self.sfi.refresh(step, paged, q, li)
+            # the fast rows first: a keys-only slow row attends through the set it had, which its
+            # refresh then replaces
             self.sfi.fast(step, paged, q, out)
+            self.sfi.refresh(step, paged, q, li)
         return output

@@ -13,9 +13,10 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5):
     """The fast-step kernel's fused slow-step scores: rows 1 and 2 are dense and scored (one
     group of two rows, frame width past both contexts, written as layer 1 of 2), row 0 has a
-    compact set and a frame base (ignored: only dense rows are scored), row 3 is dense and not
-    scored, row 4 is padding. Their logits and key norms against the gathered keys; nothing
-    written outside the two frames; the attention output the same as without scores."""
+    compact set and is scored too (a keys-only slow row: a group of its own after the first),
+    row 3 is dense and not scored, row 4 is padding. Their logits and key norms against the
+    gathered keys; nothing written outside the three frames; the attention output the same as
+    without scores (row 0's through its compact set and window)."""
     from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
@@ -32,11 +33,13 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     q = torch.randn(B, hq, d, generator=g).to(device, dtype)
     scale = d ** -0.5
     width, layers, rows = max(seq_lens[1:3]) + 37, 2, 2
+    width0 = seq_lens[0] + 11  # row 0's group: one row
     lead = 3  # tokens of frame space before the group's (another group's, say)
-    base = torch.tensor([lead, lead, lead + width, -1, -1], dtype=torch.int32, device=device)
-    stride = torch.full((B,), rows * width, dtype=torch.int32, device=device)
-    wid = torch.full((B,), width, dtype=torch.int32, device=device)
-    tokens = lead + layers * rows * width + 5
+    base0 = lead + layers * rows * width
+    base = torch.tensor([base0, lead, lead + width, -1, -1], dtype=torch.int32, device=device)
+    stride = torch.tensor([width0] + [rows * width] * (B - 1), dtype=torch.int32, device=device)
+    wid = torch.tensor([width0] + [width] * (B - 1), dtype=torch.int32, device=device)
+    tokens = base0 + layers * width0 + 5
     worst = 0.0
     for ns in splits:
         plain = torch.full_like(q, float("nan"))
@@ -51,15 +54,19 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert torch.equal(out, plain), "the scores changed the attention output"
         lg = logits[(lead + rows * width) * hq:(lead + 2 * rows * width) * hq].view(rows, hkv, G, width)
         nm = norms[(lead + rows * width) * hkv:(lead + 2 * rows * width) * hkv].view(rows, hkv, width)
-        for j, b in enumerate((1, 2)):
+        at0 = base0 + width0  # row 0's frame of layer 1
+        lg0 = logits[at0 * hq:(at0 + width0) * hq].view(1, hkv, G, width0)
+        nm0 = norms[at0 * hkv:(at0 + width0) * hkv].view(1, hkv, width0)
+        for b, lgb, nmb in ((1, lg[0], nm[0]), (2, lg[1], nm[1]), (0, lg0[0], nm0[0])):
             n = seq_lens[b]
             keys, _ = paged.gather_range(bt[b], 0, n, want_values=False)
             ref = torch.einsum("hgd,hnd->hgn", q[b].float().view(hkv, G, d), keys.float()) * scale
-            assert torch.all(lg[j, ..., n:] == float("-inf")) and torch.all(nm[j, :, n:] == 0)
-            worst = max(worst, (lg[j, ..., :n].cpu() - ref.cpu()).abs().max().item())
-            assert torch.allclose(nm[j, :, :n], keys.float().norm(dim=-1), rtol=1e-3, atol=1e-3)
+            assert torch.all(lgb[..., n:] == float("-inf")) and torch.all(nmb[:, n:] == 0)
+            worst = max(worst, (lgb[..., :n].cpu() - ref.cpu()).abs().max().item())
+            assert torch.allclose(nmb[:, :n], keys.float().norm(dim=-1), rtol=1e-3, atol=1e-3)
         written = torch.zeros(tokens, dtype=torch.bool)
         written[lead + rows * width:lead + 2 * rows * width] = True
+        written[at0:at0 + width0] = True
         assert torch.isnan(logits.view(tokens, hq)[~written]).all(), "logits written outside the frames"
         assert torch.isnan(norms.view(tokens, hkv)[~written]).all(), "norms written outside the frames"
     return worst

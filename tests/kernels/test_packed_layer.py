@@ -136,16 +136,18 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                      seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
-                     top_k="torch"):
+                     top_k="torch", keys=False):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
     outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
     (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
     the refresh reads them instead of running the score kernel. ``top_k``: ``experimental.selector_top_k`` of
-    the graph step's engine (the reference's is torch's)."""
+    the graph step's engine (the reference's is torch's). ``keys`` (``slow_attention: keys``): from
+    the second step on the slow rows attend through the sets they have (against the reference
+    layers' eager fast path over the same sets) and are scored by the keys-only pass."""
     from sfi_vllm.attention_ref import dense_attention
-    from sfi_vllm.backends.common import make_step, uniform_tables
+    from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
     from sfi_vllm.compact import RowGeometry
     from sfi_vllm.tools.policies import policy_overrides
@@ -175,18 +177,29 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         layer.kv = p.nhd_views()
     persistent = torch.zeros(5 if fused else 2, n, dtype=torch.int32, device=device)
     ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
-    for _ in range(steps):
+    for it in range(steps):
+        on_set = keys and it > 0  # keys-only slow rows, once they have sets
         for p in pageds:
             p.kv_cache.copy_(paged0.kv_cache + 0.7 * torch.randn(paged0.kv_cache.shape, generator=g).to(device, dtype))
         qs = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
-        # reference: the per-layer refresh of an eager slow step
-        step = make_step(plan_for([StepMode.SLOW] * n, cfg=ref_ctl.cfg, context=list(seq_lens)), cam, lambda s: None)
+        # reference: the per-layer refresh of an eager slow step (keys-only: its fast path first)
+        ref_plan = plan_for([StepMode.SLOW] * n, cfg=ref_ctl.cfg, context=list(seq_lens))
+        ref_plan.keys_only = [True] * n if on_set else None
+        step = make_step(ref_plan, cam, lambda s: None)
+        ref_outs = []
+        if on_set:
+            attach_fast_tables(step, cam, ref_ctl)
         for li, layer in enumerate(stacks[0]):
+            if on_set:
+                out = torch.full_like(qs[li], float("nan"))
+                layer.fast(step, pageds[li], qs[li], out)
+                ref_outs.append(out.float().cpu())
             layer.refresh(step, pageds[li], qs[li], li)
         ref_ctl.end_step()
         ref_ctl.executor.join_refresh()
         # the same slow step as a uniform step
         plan = plan_for([StepMode.SLOW] * n, cfg=ctl.cfg, context=list(seq_lens))
+        plan.keys_only = [True] * n if on_set else None
         plan.graph_slow = True
         assert not plan.needs_eager
         if fused:
@@ -199,10 +212,13 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
             out = torch.full_like(qs[li], float("nan"))
             layer.fast_uniform(tables, pageds[li], qs[li], out, ws)
             assert torch.equal(layer.stage[:n], qs[li]), "query staging"
-            for r in (0, n - 1):  # slow rows attend densely
-                keys, values = pageds[li].gather_range(cam.block_table_tensor[r], 0, seq_lens[r])
-                dense = dense_attention(qs[li][r], keys, values, d ** -0.5).float().cpu()
-                assert ((out[r].float().cpu() - dense).norm() / dense.norm()).item() < 2e-2, "dense slow row"
+            for r in (0, n - 1):  # slow rows attend densely, or keys-only ones through their sets
+                if on_set:
+                    want = ref_outs[li][r]
+                else:
+                    kk, vv = pageds[li].gather_range(cam.block_table_tensor[r], 0, seq_lens[r])
+                    want = dense_attention(qs[li][r], kk, vv, d ** -0.5).float().cpu()
+                assert ((out[r].float().cpu() - want).norm() / want.norm()).item() < 2e-2, ("slow row", on_set)
         ctl.executor.note_graph_slow(plan, cam.block_table_tensor)
         ctl.end_step()
         ctl.executor.join_refresh()
@@ -251,11 +267,14 @@ def test_step_refresh(device, dtype, kw):
          id="unfused-torch_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=1, fused=True, top_k="triton"),
          id="fused-triton_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True),
+         id="fused-keys-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, **over), id=name + shape_id(dtype, **shape),
            selection=dtype == torch.bfloat16 and "top_k" not in over)
       for dtype, shape in GPU
       for name, over in (("unfused-torch_top_k-", {}), ("fused-torch_top_k-", dict(fused=True)),
-                         ("unfused-triton_top_k-", dict(top_k="triton")))),
+                         ("unfused-triton_top_k-", dict(top_k="triton")), ("fused-keys-", dict(fused=True, keys=True)),
+                         ("unfused-keys-", dict(keys=True)))),
 ])
 def test_graph_slow(device, dtype, kw):
     check_graph_slow(device, dtype, **kw)
