@@ -10,7 +10,10 @@ replays of a graph holding one call (``attn_timing.graph_time_us``):
 * ``fused_us``: the same dense rows writing their scores (``scores=``); ``saved_us`` = dense +
   scores - fused, what one layer of a slow step saves;
 * ``fast_us`` / ``fast_fused_us``: a fast step (compact 2,052 + window 256) without and with the
-  score arguments (no row scored): what the fused variant costs the steps that score nothing.
+  score arguments (no row scored): what the fused variant costs the steps that score nothing;
+* ``keys_us``: the same fast rows all scored (keys-only slow rows, ``slow_attention: keys``): they
+  attend through their sets and read the keys of the whole context once more for the scores, which
+  are checked like the dense rows' (``keys_logits_max_err``, ``keys_norms_max_err``, ``keys_same_output``).
 The fused logits and norms are checked against the score kernel's (``logits_max_err``,
 ``norms_max_err``) and the attention output against the launch without scores (``same_output``).
 Prints one JSON object per point; writes fused-scores-h200.jsonl to DIR; exits 1 if a check fails.
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from attn_timing import D, HKV, HQ, WINDOW, graph_time_us, setup  # noqa: E402
 
-POINTS = [(8, 32768), (16, 16384)]
+POINTS = [(8, 32768), (16, 16384), (1, 131072), (6, 131072)]
 
 
 def main() -> int:
@@ -99,6 +102,15 @@ def main() -> int:
 
         row["fast_us"] = round(graph_time_us(fast), 1)
         row["fast_fused_us"] = round(graph_time_us(lambda: fast(unscored)), 1)
+        plain_fast = fast().clone()
+        frames.logits.fill_(float("nan"))
+        frames.norms.fill_(float("nan"))
+        fast(frames)  # every fast row scored: keys-only slow rows
+        row["keys_same_output"] = torch.equal(out, plain_fast)
+        row["keys_logits_max_err"] = (flg[..., :ctx] - lg[..., :ctx]).abs().max().item()
+        row["keys_norms_max_err"] = (fnm[..., :ctx] - nm[..., :ctx]).abs().max().item()
+        ok &= (row["keys_same_output"] and row["keys_logits_max_err"] < 1e-3 and row["keys_norms_max_err"] < 1e-3)
+        row["keys_us"] = round(graph_time_us(lambda: fast(frames)), 1)
         row["gpu"] = torch.cuda.get_device_name()
         rows_out.append(row)
         print(json.dumps(row), flush=True)
