@@ -205,12 +205,14 @@ class Policy(_SettingsModel):
     layer_interleaved_refresh: bool = Field(
         False, description="a slow step refreshes half of the layers (odd/even alternating)"
     )
-    slow_attention: Literal["dense", "keys"] = Field(
-        "dense",
-        description="what a slow step's own token attends to. dense: the whole context (the "
-        "paper's); keys: the working set it already has, as a fast step does, while the slow step "
-        "reads the keys alone to choose the next set (about half of a dense step's KV reads). The "
-        "first selection after a prefill attends densely either way",
+    slow_attention: Literal["keys", "dense"] = Field(
+        "keys",
+        description="what a slow step's own token attends to. keys: the working set it already has, "
+        "as a fast step does, while the slow step reads the keys alone to choose the next set "
+        "(no values: on the H200 a slow step of 0.90x a dense step at 6 x 128K, 1.28-1.71x at the "
+        "other points measured, against 1.71-2.03x with dense; benchmarks/results/e2e-h200-keys.md); "
+        "dense: the whole context (the paper's). The first selection after a prefill attends "
+        "densely either way",
     )
     draft_reselect: Literal["verify", "reuse_budget"] = Field(
         "verify",
@@ -317,7 +319,8 @@ class EngineSettings(_SettingsModel):
         description="GPU kernel path: a slow step re-selects each layer right after its dense "
         "attention (per_layer), or every layer at once after the step's last layer, replayed from "
         "one CUDA graph per shape (per_step: far less host time per layer, less overlap); auto: "
-        "per_step while the slow rows hold at most 512K tokens in all",
+        "per_step while the slow rows hold at most 512K tokens in all, or when they all attend "
+        "through their compact sets (slow_attention keys)",
     )
     slow_in_graph: bool | None = Field(
         None,

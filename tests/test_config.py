@@ -111,6 +111,9 @@ def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
     assert not refresh_per_step("auto", [131072] * 6)
     assert refresh_per_step("auto", [AUTO_MAX_TOKENS]) and not refresh_per_step("auto", [AUTO_MAX_TOKENS, 1])
     assert refresh_per_step("per_step", [131072] * 6) and not refresh_per_step("per_layer", [10])
+    # keys-only rows (slow_attention keys) take the per-step refresh at any size (6 x 128K measured)
+    assert refresh_per_step("auto", [131072] * 6, keys_only=True)
+    assert not refresh_per_step("per_layer", [10], keys_only=True)
 
 
 def test_a_removed_preset_says_what_to_set_instead():

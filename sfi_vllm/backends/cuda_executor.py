@@ -62,15 +62,18 @@ class CudaExecutor:
         """Put the plan's slow rows inside the step's CUDA graph (``plan.graph_slow``) where they
         can all be refreshed after the step from staged queries, with their fused score frames."""
         plan.graph_slow = self._slow_rows_fit_graph([plan.configs[i] for i in slow],
-                                                    [plan.geometry[i] for i in slow])
+                                                    [plan.geometry[i] for i in slow],
+                                                    all(plan.attends_set(i) for i in slow))
         if plan.graph_slow and self.fused_scores is not None:
             plan.score_layout = self._score_layout(plan)
 
-    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], geometry: list[RowGeometry]) -> bool:
+    def _slow_rows_fit_graph(self, cfgs: list[SFIConfig], geometry: list[RowGeometry],
+                             keys_only: bool = False) -> bool:
         """Per-step refresh, every layer, the Selector needed for every row (``geometry``: the
-        rows' at the step's context)."""
+        rows' at the step's context; ``keys_only``: every row attends through its compact set)."""
         contexts = [g.context for g in geometry]
-        if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(self.cfg.slow_refresh, contexts):
+        if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(
+                self.cfg.slow_refresh, contexts, keys_only):
             return False
         for cfg, g in zip(cfgs, geometry):
             if cfg.layer_interleaved_refresh or cfg.policy == "quest" or not g.scored:

@@ -54,7 +54,8 @@ class PackedSFILayer(SFILayer):
             if key not in step.layer_cache:  # once per step: the same for every layer
                 step.layer_cache[key] = (_to_device([step.row_token[r] for r in group], dev),
                                          step.block_table[_to_device(group, dev)].to(torch.int32),
-                                         refresh_per_step(mode, [step.seq_lens[r] for r in group])
+                                         refresh_per_step(mode, [step.seq_lens[r] for r in group],
+                                                          all(plan.attends_set(r) for r in group))
                                          and all_scored(plan, step, group, sinks))
             tok, bt, deferred = step.layer_cache[key]
             if deferred:  # staged now, selected with every other layer when the step ends

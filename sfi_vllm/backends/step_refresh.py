@@ -54,11 +54,13 @@ from sfi_vllm.selector import select_batched_static
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
-# slow_refresh = "auto": per step while a group's slow rows hold at most this many tokens in all.
-# On the H200 (benchmarks/results/e2e-h200.md) per step was faster up to 262,144 slow-row tokens
-# (1 x 8K to 8 x 32K) and slower at 786,432 (6 x 128K), where the device is busy and the per-layer
-# path hides part of the selection behind the next layers. The bound lies between the two measured
-# sizes; it is not tuned further.
+# slow_refresh = "auto": per step while a group's slow rows hold at most this many tokens in all, or
+# when every row of the group is keys-only (slow_attention keys). On the H200 with slow rows that
+# attend densely (benchmarks/results/e2e-h200.md) per step was faster up to 262,144 slow-row tokens
+# (1 x 8K to 8 x 32K) and slower at 786,432 (6 x 128K), where the device is busy with the dense
+# attention and the per-layer path hides part of the selection behind the next layers; the bound
+# lies between the two measured sizes. Keys-only rows leave the device far less to do: at 6 x 128K
+# per step was 1.15x per layer end to end (benchmarks/results/e2e-h200-keys.md).
 AUTO_MAX_TOKENS = 1 << 19
 
 
@@ -134,10 +136,11 @@ def score_row_tables(plan, rows: int) -> torch.Tensor:
     return out
 
 
-def refresh_per_step(mode: str, contexts: list[int]) -> bool:
-    """Whether a group of slow rows with these contexts takes the per-step refresh."""
+def refresh_per_step(mode: str, contexts: list[int], keys_only: bool = False) -> bool:
+    """Whether a group of slow rows with these contexts takes the per-step refresh (``keys_only``:
+    every row of the group attends through its compact set)."""
     if mode == "auto":
-        return sum(contexts) <= AUTO_MAX_TOKENS
+        return keys_only or sum(contexts) <= AUTO_MAX_TOKENS
     return mode == "per_step"
 
 

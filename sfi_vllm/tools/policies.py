@@ -17,10 +17,10 @@ None: only the policy's own settings).
   prior, the pages after a strong page kept with it, a dense bridge of the first decode steps; see
   ``SFIConfig``) and its ablations: ``sfi-no-bridge``, ``sfi-no-follow``, ``sfi-nms`` (page-level
   soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-interval`` (reuse budget only, no
-  boundaries), ``sfi-boundary`` (boundaries only), ``sfi-keys`` (slow steps attend through the
-  set they have and read only the keys to re-select: ``slow_attention: keys``).
+  boundaries), ``sfi-boundary`` (boundaries only), ``sfi-dense-slow`` (slow steps attend densely, as
+  the paper's do: ``slow_attention: dense``; the default's attend through the set they have).
 * ``sfi-paper``: the paper's Selector as published: token by token, soft-NMS, no bridge, no
-  following pages, no reuse stagger (the evidence normalised per query row over the candidates, and
+  following pages, no reuse stagger, dense slow steps (the evidence normalised per query row over the candidates, and
   the lambda clip for several query rows under GQA, as the authors do); ``sfi-paper-no-nms``
   without its soft-NMS.
 """
@@ -52,9 +52,10 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
     "sfi-reuse-20": {"policy": "sfi", "boundary_trigger": False, "reuse_budget": 20},
     "sfi-stagger": {"policy": "sfi", "reuse_stagger": True},
-    "sfi-keys": {"policy": "sfi", "slow_attention": "keys"},
-    "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "selector": dict(_PAPER_SELECTOR)},
-    "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False,
+    "sfi-dense-slow": {"policy": "sfi", "slow_attention": "dense"},
+    "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "slow_attention": "dense",
+                  "selector": dict(_PAPER_SELECTOR)},
+    "sfi-paper-no-nms": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "slow_attention": "dense",
                          "selector": {**_PAPER_SELECTOR, "use_nms": False}},
 }
 _WINDOW_SHARE: dict[str, float] = {}  # of the budget; every selecting policy: 0.25
