@@ -115,6 +115,9 @@ class SFIController:
         # sfi.mode lossless, draft_reselect reuse_budget: tokens verified since the drafter's last
         # selection per slot (-1: no selection yet)
         self.verified_since_selection = [-1] * self.num_slots
+        # sfi.mode lossless: each drafter pass's plan, by pass index, with the model step's plan it
+        # was made from (sfi_vllm.lossless.plan_draft plans a pass once per model step)
+        self.draft_plans: dict[int, tuple[StepPlan, StepPlan]] = {}
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against

@@ -35,10 +35,21 @@ def plan_draft(controller: SFIController, cam: Any, draft_index: int) -> StepPla
     """The plan of drafter pass ``draft_index`` (0: the first pass) over ``cam``, whose rows are
     the model step's rows in the same order; None outside a verified step (profiling and warm-up
     runs attend densely). Records the tokens accepted at the first pass, and the drafter's
-    slow and fast steps."""
+    slow and fast steps. A pass is planned once per model step: a drafter whose layers fall into
+    several attention groups builds each pass's metadata once per group, and those calls get the
+    first call's plan (the statistics and the reuse-budget count advance once)."""
     base = controller.current_plan
     if base is None or not base.verify:
         return None
+    cached = controller.draft_plans.get(draft_index)
+    if cached is not None and cached[0] is base:
+        return cached[1]
+    plan = _plan_pass(controller, base, cam, draft_index)
+    controller.draft_plans[draft_index] = (base, plan)
+    return plan
+
+
+def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index: int) -> StepPlan:
     n = int(cam.num_reqs)
     if n < base.num_reqs:
         raise RuntimeError(f"sfi-vllm: the drafter's batch has {n} rows but the model's step had "

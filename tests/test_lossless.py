@@ -250,3 +250,30 @@ def test_default_reselection_is_every_verify():
         cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 5]), query_start_loc_cpu=torch.tensor([0, 6]),
                    slot_mapping=torch.arange(6))
         assert plan_draft(ctl, cam, 0).modes == [StepMode.SLOW]
+
+
+def test_a_drafter_pass_is_planned_once_per_model_step():
+    """A drafter with several attention groups builds each pass once per group: every call gets the
+    first call's plan, and the accepted tokens, the step statistics and the reuse-budget count
+    advance once; the next model step plans afresh."""
+    cfg = {**LOSSLESS, "draft_reselect": "reuse_budget", "reuse_budget": 8, "min_gap": 0}
+    ctl = SFIController(build_config({**cfg, "boundary_token_ids": [7]}), fake_vllm_config(cfg))
+    z = torch.zeros(1, dtype=torch.long)
+    ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], z)
+    ctl.plan_step(["a"], np.array([5]), np.array([101]), [100], z)
+    cam = _CAM(num_reqs=1, seq_lens=torch.tensor([106]), query_start_loc_cpu=torch.tensor([0, 6]),
+               slot_mapping=torch.arange(6))
+    first = plan_draft(ctl, cam, 0)
+    assert plan_draft(ctl, cam, 0) is first and plan_draft(ctl, cam, 0) is first
+    cam1 = _CAM(num_reqs=1, seq_lens=torch.tensor([107]), query_start_loc_cpu=torch.tensor([0, 1]),
+                slot_mapping=torch.tensor([6]))
+    assert plan_draft(ctl, cam1, 1) is plan_draft(ctl, cam1, 1)
+    st = ctl.stats.get("a")
+    assert (st.accepted_tokens, st.slow_steps, st.fast_steps) == (4, 1, 1)
+    assert ctl.verified_since_selection[ctl.slot_of["a"]] == 0
+    ctl.plan_step(["a"], np.array([5]), np.array([106]), [100], z)  # the next verify step
+    cam2 = _CAM(num_reqs=1, seq_lens=torch.tensor([111]), query_start_loc_cpu=torch.tensor([0, 6]),
+                slot_mapping=torch.arange(6))
+    again = plan_draft(ctl, cam2, 0)
+    assert again is not first and again.modes == [StepMode.FAST]  # 5 verified since: under the budget
+    assert ctl.verified_since_selection[ctl.slot_of["a"]] == 5
