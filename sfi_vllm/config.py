@@ -282,8 +282,8 @@ class EngineSettings(_SettingsModel):
 
     mode: Literal["lossy", "lossless"] = Field(
         "lossy",
-        description="lossy: decode steps attend to the working set (fast) or densely (slow), and "
-        "the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
+        description="lossy: decode steps attend to the working set (fast steps, and slow steps "
+        "with slow_attention keys) or densely, and the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
         "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
         "method draft_model and this model), whose tokens the model verifies with dense attention: "
         "greedy output is dense's (in bf16, where the verify pass rounds differently from a decode step, "
@@ -316,7 +316,7 @@ class EngineSettings(_SettingsModel):
     )
     slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
         "auto",
-        description="GPU kernel path: a slow step re-selects each layer right after its dense "
+        description="GPU kernel path: a slow step re-selects each layer right after its "
         "attention (per_layer), or every layer at once after the step's last layer, replayed from "
         "one CUDA graph per shape (per_step: far less host time per layer, less overlap); auto: "
         "per_step while the slow rows hold at most 512K tokens in all, or when they all attend "

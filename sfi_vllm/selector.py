@@ -1,4 +1,5 @@
-"""The Selector: turn a slow step's dense attention into the next fast steps' selected tokens.
+"""The Selector: turn a slow step's attention scores over the whole history into the next fast
+steps' selected tokens.
 
 Per layer and sequence, over candidate positions ``j in [lo, hi)`` (after the sinks, before the
 recent window), for each KV head:

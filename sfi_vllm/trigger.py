@@ -1,4 +1,4 @@
-"""SlowStepTrigger: which decode steps run dense attention and refresh the selection.
+"""SlowStepTrigger: which decode steps refresh the selection (slow steps) or attend densely.
 
 A decode step of a sequence is
 * ``DENSE`` while its context is shorter than ``dense_below_context``, and for the first
