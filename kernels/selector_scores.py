@@ -365,7 +365,7 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, lo: int, n: 
     g_pad = max(2, triton.next_power_of_2(g))
     stats = torch.empty(B * hkv, 4, dtype=torch.float32, device=dev)
     log_s = torch.empty(B, hkv, width, dtype=torch.float32, device=dev)  # pass 2's pooled evidence, then log s
-    out = torch.empty_like(log_s)
+    out = torch.empty_like(log_s) if cfg.page_size <= 1 else None  # steps 4-5's output (page mode: below)
     lam_max = cfg.lambda_max_multi if g * num_query_rows > 1 else cfg.lambda_max_single  # G x captured rows
     prior = (cfg.alpha, cfg.w_norm, cfg.w_pos, cfg.gamma, cfg.beta, cfg.eta, cfg.pos_power)
     P = B * hkv

@@ -212,7 +212,7 @@ class Policy(_SettingsModel):
         "(no values: on the H200 a slow step of 0.90x a dense step at 6 x 128K, 1.28-1.71x at the "
         "other points measured, against 1.71-2.03x with dense; benchmarks/results/e2e-h200-keys.md); "
         "dense: the whole context (the paper's). The first selection after a prefill attends "
-        "densely either way",
+        "densely either way; in sfi.mode lossless the drafter's re-selections attend densely",
     )
     draft_reselect: Literal["verify", "reuse_budget"] = Field(
         "verify",
@@ -326,16 +326,18 @@ class EngineSettings(_SettingsModel):
         None,
         description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
         "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
-        "CUDA graph of a fast step: the slow rows attend densely in the fast-step kernel, which also "
-        "stages every row's query for the refresh after the step. Unset (default): on wherever the "
+        "CUDA graph of a fast step: the slow rows attend in the fast-step kernel (densely, or through "
+        "their sets with slow_attention keys), which also stages every row's query for the refresh "
+        "after the step. Unset (default): on wherever the "
         "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
         "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
     )
     fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
         "auto",
         description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
-        "kernel that attends densely for the slow rows also writes their logits and key norms, so "
-        "the refresh after the step reads no key twice. The value sizes the buffer, allocated at "
+        "kernel also writes the slow rows' logits and key norms (from the keys a dense slow row reads "
+        "anyway, or in a keys-only pass for slow_attention keys), so the refresh after the step runs "
+        "no score kernel. The value sizes the buffer, allocated at "
         "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
         "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
         "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "

@@ -60,8 +60,8 @@ class StepPlan:
     configs: list[SFIConfig]  # each row's SFI config (the engine's, or its request's own)
     # tokens in the cache per row, including this step's (None: read them from the metadata)
     context: list[int] | None = None
-    # the slow rows run inside a full CUDA graph (``slow_in_graph``): dense in the fast-step kernel,
-    # re-selected from staged queries after the step
+    # the slow rows run inside a full CUDA graph (``slow_in_graph``): they attend in the fast-step
+    # kernel (densely, or through their sets when keys-only), re-selected from staged queries after the step
     graph_slow: bool = False
     # fused scores (``fused_scores_tokens``) of a graph_slow plan: each group of slow rows'
     # (offset, frame width) in the executor's FusedScoreBuffers; None: scored in a second pass

@@ -48,8 +48,9 @@ class SFIMetrics:
                                    "dense_below_context, or a fallback)")
         self.fast_steps = Counter("sfi_fast_steps", "Decode request-steps that attended to the "
                                   "working set only (sinks, selected tokens, recent window)")
-        self.slow_steps = Counter("sfi_slow_steps", "Decode request-steps that attended densely and "
-                                  "re-selected, by what triggered them", ["reason"])
+        self.slow_steps = Counter("sfi_slow_steps", "Decode request-steps that re-selected (scored every "
+                                  "key; attended densely, or through the set they had with "
+                                  "slow_attention keys), by what triggered them", ["reason"])
         self.verify_steps = Counter("sfi_verify_steps", "sfi.mode lossless: request-steps in which the "
                                     "model verified drafted tokens with dense attention")
         self.drafted_tokens = Counter("sfi_drafted_tokens", "sfi.mode lossless: tokens the SFI drafter "

@@ -78,7 +78,8 @@ class RequestStats:
     @property
     def decode_attended_fraction(self) -> float:
         """Tokens attended over all decode steps (fast steps their working set, dense and slow steps
-        the whole context) / the context they stood for."""
+        the whole context: a keys-only slow step reads every key to re-select) / the context they
+        stood for."""
         if not self.decode_context_tokens:
             return 0.0
         fast = self.fast_steps * self.mean_attended_per_fast_step

@@ -240,7 +240,8 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
                                 seq_lens=cam.seq_lens[idx].to(torch.int32),
                                 block_table=cam.block_table_tensor[idx].to(torch.int32),
                                 token=tables[2].long())
-    record_fast_rows(controller, plan, rows, controller.buffers[0])
+    # keys-only slow rows attend here too, but count as slow steps
+    record_fast_rows(controller, plan, [r for r in rows if plan.modes[r] == StepMode.FAST], controller.buffers[0])
 
 
 def all_scored(plan: StepPlan, step: SFIStep, rows: list[int], sinks: int) -> bool:

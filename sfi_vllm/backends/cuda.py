@@ -19,7 +19,8 @@ Two kinds of step:
 instead of the above per layer, each layer stages its slow rows' queries and the whole step's
 selection and repack run when the step ends, from one CUDA graph per shape
 (:mod:`sfi_vllm.backends.step_refresh`). With ``sfi.slow_in_graph`` (on by default where it applies) such a step
-can even run as a uniform step: its slow rows attend densely in the fast-step kernel, which copies
+can even run as a uniform step: its slow rows attend in the fast-step kernel (densely, or through
+their sets when keys-only), which copies
 every row's query into the layer's persistent stage, and the refresh is built from the plan.
 With fused scores (``sfi.fused_scores_tokens``, on by default wherever ``slow_in_graph`` runs) that
 kernel also writes the slow rows' logits and key norms
@@ -145,7 +146,7 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         if n > self._row_tables.shape[1]:
             return False  # larger than any CUDA-graph batch: the eager path serves it
         meta.sfi_uniform = uniform_tables(plan, cam, self._row_tables, self.controller)
-        if plan is not None and plan.graph_slow:  # slow rows attend densely here, refreshed after the step
+        if plan is not None and plan.graph_slow:  # slow rows attend here, refreshed after the step
             self.controller.executor.note_graph_slow(plan, cam.block_table_tensor)
         return True
 

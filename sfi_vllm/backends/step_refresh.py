@@ -26,10 +26,12 @@ the selection with the next layers' work; here it overlaps only with the step's 
 logits, sampling) and the next step's host preparation.
 
 **Fused scores** (``sfi.fused_scores_tokens``, on by default; uniform steps with slow rows only): the
-fast-step kernel that attends densely for the slow rows also writes their logits and key norms
-into :class:`FusedScoreBuffers`, laid out per group of slow rows as ``(layers, rows, Hkv, G,
-width)`` (:func:`plan_score_frames`), and the refresh skips the score kernel: the keys are read
-once per slow step instead of twice (measured on the H200: benchmarks/results/e2e-h200.md).
+fast-step kernel also writes the slow rows' logits and key norms into :class:`FusedScoreBuffers`,
+laid out per group of slow rows as ``(layers, rows, Hkv, G, width)`` (:func:`plan_score_frames`),
+and the refresh skips the score kernel. A dense slow row writes them from the keys its attention
+reads (the keys read once per slow step instead of twice; measured on the H200:
+benchmarks/results/e2e-h200.md), a keys-only slow row (``slow_attention: keys``) in a pass over
+its context's keys after its attention through its set.
 """
 
 from __future__ import annotations

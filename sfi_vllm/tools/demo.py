@@ -25,9 +25,10 @@ from typing import Any
 # quarter of the context, and slow steps at sentence ends or every 32 fast steps.
 DEMO_SFI = {"sinks": 4, "recent_window": 128, "selected_tokens": 128, "reuse_budget": 32, "min_gap": 8}
 
-# The GPU result the closing line cites: the default selection with its dense bridge against dense
-# decode throughput, one H200, a Qwen3-4B-shaped model, batch 16 x 16K, the boundary trigger off and
-# a slow step after at most 20 fast steps, warm (e2e-h200-default.md, call 6)
+# The GPU result the closing line cites: the default selection and slow steps (keys-only) without the
+# dense bridge (the speed preset: the boundary trigger off, a slow step after at most 20 fast steps)
+# against dense decode throughput, one H200, a Qwen3-4B-shaped model, batch 16 x 16K
+# (e2e-h200-keys.md)
 GPU_RESULT = "2.12x"
 GPU_RESULT_FILE = "benchmarks/results/e2e-h200-keys.md"
 
