@@ -244,8 +244,10 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
         if not by_tokens and elapsed - last_shown >= 0.5:  # the rate moves at every step; redraw twice a second
             last_shown = elapsed
             bar.set_postfix_str(f"{totals['generated_tokens'] / max(elapsed, 1e-9):.1f} tok/s")
-    bar.close()
     totals["seconds"] = time.perf_counter() - t0
+    if not by_tokens:  # the final rate, also for a run shorter than one redraw
+        bar.set_postfix_str(f"{totals['generated_tokens'] / max(totals['seconds'], 1e-9):.1f} tok/s")
+    bar.close()
     return totals
 
 
