@@ -13,10 +13,10 @@ Fused slow-step scores (``scores=``): a row whose ``score_base`` is not negative
 row writes them from the keys it reads anyway, so a slow step inside a full CUDA graph needs no
 second pass over the keys; a row with a compact set (a keys-only slow row, ``slow_attention:
 keys``) attends through its set and window and reads the keys of ``[0, seq_len)`` once more, without
-their values, for the scores. Layout, in units of one token's values (``Hq`` logits or ``Hkv`` norms): layer ``l``'s frame
-of the row starts at ``score_base + l * score_layer_stride`` and holds ``(Hkv, G, width)`` logits
-and ``(Hkv, width)`` norms, so the rows of one group of slow rows read as one ``(layers, rows, Hkv,
-G, width)`` tensor (:class:`sfi_vllm.backends.step_refresh.StepRefresh`).
+their values, for the scores. Layout, in units of one token's values (``Hq`` logits or ``Hkv``
+norms): layer ``l``'s frame of the row starts at ``score_base + l * score_layer_stride`` and holds
+``(Hkv, G, width)`` logits and ``(Hkv, width)`` norms, so the rows of one group of slow rows read as
+one ``(layers, rows, Hkv, G, width)`` tensor (:class:`sfi_vllm.backends.step_refresh.StepRefresh`).
 
 Everything per row and per slot is read from device tensors, so one launch over a fixed number of
 rows (a CUDA-graph batch, padding rows included) serves any mix of fast and dense rows: the

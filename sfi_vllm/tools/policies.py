@@ -20,9 +20,9 @@ None: only the policy's own settings).
   boundaries), ``sfi-boundary`` (boundaries only), ``sfi-dense-slow`` (slow steps attend densely, as
   the paper's do: ``slow_attention: dense``; the default's attend through the set they have).
 * ``sfi-paper``: the paper's Selector as published: token by token, soft-NMS, no bridge, no
-  following pages, no reuse stagger, dense slow steps (the evidence normalised per query row over the candidates, and
-  the lambda clip for several query rows under GQA, as the authors do); ``sfi-paper-no-nms``
-  without its soft-NMS.
+  following pages, no reuse stagger, dense slow steps (the evidence normalised per query row over
+  the candidates, and the lambda clip for several query rows under GQA, as the authors do);
+  ``sfi-paper-no-nms`` without its soft-NMS.
 """
 
 from __future__ import annotations
