@@ -1,7 +1,7 @@
 """Plots of the committed GPU results (no measurement): kernel speedup vs retention and end-to-end
 ratios vs the achievable ones.
 
-    python benchmarks/plot_results.py            # writes benchmarks/results/{kernel,e2e}-h200.png
+    python benchmarks/plot_results.py    # writes benchmarks/results/{kernel,e2e,e2e-keys}-h200.png
 """
 
 from __future__ import annotations
@@ -74,7 +74,51 @@ def e2e_plot() -> None:
     fig.savefig(RESULTS / "e2e-h200.png", dpi=120)
 
 
+def keys_plot() -> None:
+    """e2e-h200-keys.jsonl: per point, SFI against dense decode tok/s for each of its engines (the
+    calls' ``call`` labels), dense from the calls that ran it, and the slow step against a dense
+    step derived from each engine's plain and probe runs."""
+    rows = _rows("e2e-h200-keys.jsonl")
+    dense = {(r["batch"], r["context"]): r["dense_tok_s"] for r in rows if "dense_tok_s" in r}
+    runs = [r for r in rows if "sfi_tok_s" in r]
+    engines = {"call 1": "dense slow steps", "call 2": "keys-only", "call 3": "keys-only, per-step refresh"}
+    points = sorted(dense, key=lambda p: (p[1], p[0]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(engines)
+    for e, (call, label) in enumerate(engines.items()):
+        ratio, slow = [], []
+        for b, c in points:
+            r = next((r for r in runs if r["call"].startswith(call) and (r["batch"], r["context"]) == (b, c)), None)
+            if r is None:
+                ratio.append(0)
+                slow.append(0)
+                continue
+            ratio.append(r["sfi_tok_s"] / dense[(b, c)])
+            t1, t2 = b / r["sfi_tok_s"], b / r["sfi_probe_tok_s"]
+            r1, r2 = r["sfi_slow_step_rate"], r["sfi_probe_slow_step_rate"]
+            d = (t2 - t1) / (r2 - r1)
+            slow.append((t1 - r1 * d + d) / (b / dense[(b, c)]))
+        xs = [i - 0.4 + (e + 0.5) * width for i in range(len(points))]
+        ax.bar(xs, ratio, width, label=label, color=plt.get_cmap("tab10")(e))
+        ax2.bar(xs, slow, width, label=label, color=plt.get_cmap("tab10")(e))
+    for i, (b, c) in enumerate(points):
+        if (b, c) in TARGETS:
+            ax.plot([i - 0.4, i + 0.4], [TARGETS[(b, c)]] * 2, "k--", lw=1)
+    labels = [f"{b}x{c // 1024}K" for b, c in points]
+    ax.set_xticks(list(range(len(points))), labels)
+    ax2.set_xticks(list(range(len(points))), labels)
+    ax.set_ylabel("SFI / dense decode tok/s")
+    ax.set_title("H200, speed preset, 5.5% slow steps (dashed: targets)")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_ylabel("slow step / dense step")
+    ax2.set_title("slow step, derived from plain and probe runs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "e2e-keys-h200.png", dpi=120)
+
+
 if __name__ == "__main__":
     kernel_plot()
     e2e_plot()
-    print("wrote", RESULTS / "kernel-h200.png", RESULTS / "e2e-h200.png")
+    keys_plot()
+    print("wrote", RESULTS / "kernel-h200.png", RESULTS / "e2e-h200.png", RESULTS / "e2e-keys-h200.png")
