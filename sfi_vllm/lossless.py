@@ -55,10 +55,15 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
         raise RuntimeError(f"sfi-vllm: the drafter's batch has {n} rows but the model's step had "
                            f"{base.num_reqs}; the runner hooks are out of step with this vLLM version")
     assert base.sampled is not None and base.drafted is not None
-    seq_lens = [int(x) for x in cam.seq_lens[:n].tolist()]
+    first = controller.draft_plans.get(0)
+    if draft_index > 0 and first is not None and first[0] is base:
+        # pass j's rows are the first pass's, j tokens on (vLLM drops the rejected drafts from
+        # the lengths and adds one token per pass): no read of the device's lengths
+        context = [c + draft_index for c in first[1].context[:base.num_reqs]]
+    else:
+        context = [int(x) for x in cam.seq_lens[:base.num_reqs].tolist()]
     modes = [int(StepMode.PREFILL)] * base.num_reqs
     reasons = [int(SlowReason.NONE)] * base.num_reqs
-    context = list(seq_lens[:base.num_reqs])
     query_tokens = None
     stats = controller.stats
     if draft_index == 0:
@@ -75,7 +80,7 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
             last = end - 1 - pad  # the token just sampled: the drafts continue from it
             if base.drafted[i] > 0:  # the row held drafts: the tokens before `last` past the first were accepted
                 stats.record_accepted(base.req_ids[i], last - start - 1)
-            query_tokens[i], context[i] = last, seq_lens[i] - pad
+            query_tokens[i], context[i] = last, context[i] - pad
             cfg = base.configs[i]
             slot = base.slots[i]
             since = controller.verified_since_selection[slot]

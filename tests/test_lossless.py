@@ -55,6 +55,12 @@ def test_lossless_refuses_other_drafters(spec, needle):
     assert any(needle in p for p in problems), problems
 
 
+def test_synthetic_acceptance_only_with_the_experimental_switch():
+    spec = SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic")
+    assert speculative_problems(build_config({**LOSSLESS, "experimental": {"synthetic_acceptance": True}}),
+                                _engine(None, spec)) == []
+
+
 def test_lossless_refuses_another_drafter_backend():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -69,9 +69,10 @@ class SFIStep:
 class FastRows:
     """Device tables for one launch of the fast-step kernel (``sfi_vllm.kernels.fast_decode``).
 
-    Row ``b`` reads query token ``token[b]`` (``None``: token ``b``), the compact set of slot
-    ``slot[b]`` (``-1``: none, the row attends densely) and the paged window from
-    ``max(slot's window start, min_window_start[b])`` to ``seq_lens[b]``.
+    Entry ``b`` reads query token ``token[b]`` (``None``: token ``b``), the compact set of slot
+    ``slot[b]`` (``-1``: none, the entry attends densely) and the paged window from
+    ``max(slot's window start, min_window_start[b])`` to ``seq_lens[b]``. An entry is a batch row,
+    or one token of a row that attends for several (:func:`fast_entries`).
     """
 
     rows: int
@@ -80,6 +81,8 @@ class FastRows:
     seq_lens: torch.Tensor  # int32
     block_table: torch.Tensor  # int32
     token: torch.Tensor | None = None
+    # token indices whose output is zero: padding after a row's last real token (a drafter's first pass)
+    padding: torch.Tensor | None = None
     # fused slow-step scores (uniform steps): per row frame base, layer stride and width (int32)
     scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -192,16 +195,35 @@ def fast_row_tables(plan: StepPlan | None, rows: list[int]) -> torch.Tensor:
 
 
 def record_fast_rows(controller: SFIController, plan: StepPlan, rows: list[int],
-                     buf: PackedCompactBuffer) -> None:
+                     buf: PackedCompactBuffer, contexts: list[int] | None = None) -> None:
     """Statistics of the fast rows of a GPU step, once per step from one layer's compact buffer
-    (the kernel path does no per-layer host work)."""
+    (the kernel path does no per-layer host work). ``contexts``: each row's context when it is not
+    the plan's (the earlier tokens of a multi-token row, :func:`fast_entries`)."""
     assert plan.context is not None and plan.geometry is not None
-    for i in rows:
-        slot, ctx = plan.slots[i], plan.context[i]
+    for j, i in enumerate(rows):
+        slot = plan.slots[i]
+        ctx = plan.context[i] if contexts is None else contexts[j]
         ws = buf.window_start[slot]  # fixed at the slow step that packed the set
         if plan.configs[i].slides_window:
-            ws = max(ws, plan.geometry[i].window_start)
+            g = plan.geometry[i] if ctx == plan.context[i] else RowGeometry.at(plan.configs[i], ctx)
+            ws = max(ws, g.window_start)
         controller.stats.record_fast_layer(plan.req_ids[i], buf.length[slot] + ctx - ws, ctx)
+
+
+def fast_entries(step: SFIStep, rows: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The fast-step kernel's entries for ``rows``: per entry its row, query token and context.
+    A row attends once per token from ``row_first`` to ``row_token`` (one token, except in a
+    drafter's first pass over several verified tokens), each token seeing the compact set and the
+    window up to itself (causal), as the reference does."""
+    entry_rows, tokens, contexts = [], [], []
+    for r in rows:
+        t = step.row_token[r]
+        first = t if step.row_first is None else step.row_first[r]
+        for u in range(first, t + 1):
+            entry_rows.append(r)
+            tokens.append(u)
+            contexts.append(step.seq_lens[r] - (t - u))
+    return entry_rows, tokens, contexts
 
 
 def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
@@ -226,22 +248,33 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
 
 
 def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> None:
-    """Tables of an eager step's fast rows (Quest-style rows excluded), made once per step."""
+    """Tables of an eager step's fast rows (Quest-style rows excluded), made once per step: one
+    kernel entry per query token (:func:`fast_entries`), and the padding tokens after a row's
+    last real token, whose output is zeroed."""
     plan = step.plan
     rows = [r for r in step.fast_rows if plan.configs[r].policy != "quest"]
     if not rows:
         return
-    host = torch.cat([fast_row_tables(plan, rows),
-                      torch.tensor([[step.row_token[r] for r in rows]], dtype=torch.int32)])
+    entry_rows, tokens, contexts = fast_entries(step, rows)
+    per_row = dict(zip(rows, fast_row_tables(plan, rows).t().tolist()))
+    host = torch.empty(4, len(entry_rows), dtype=torch.int32)
+    for j, (r, ctx) in enumerate(zip(entry_rows, contexts)):
+        slot, min_ws = per_row[r]
+        if slot >= 0 and ctx != step.seq_lens[r] and plan.configs[r].slides_window:
+            min_ws = RowGeometry.at(plan.configs[r], ctx).window_start  # where the window was at that token
+        host[:, j] = torch.tensor([slot, min_ws, ctx, tokens[j]], dtype=torch.int32)
     dev = cam.seq_lens.device
     tables = to_device(host, dev)
-    idx = _to_device(rows, dev)
-    step.fast_tables = FastRows(rows=len(rows), slot=tables[0], min_window_start=tables[1],
-                                seq_lens=cam.seq_lens[idx].to(torch.int32),
-                                block_table=cam.block_table_tensor[idx].to(torch.int32),
-                                token=tables[2].long())
+    idx = _to_device(entry_rows, dev)
+    padding = [u for r in rows if step.row_end is not None
+               for u in range(step.row_token[r] + 1, step.row_end[r])]
+    step.fast_tables = FastRows(rows=len(entry_rows), slot=tables[0], min_window_start=tables[1],
+                                seq_lens=tables[2], block_table=cam.block_table_tensor[idx].to(torch.int32),
+                                token=tables[3].long(), padding=_to_device(padding, dev) if padding else None)
     # keys-only slow rows attend here too, but count as slow steps
-    record_fast_rows(controller, plan, [r for r in rows if plan.modes[r] == StepMode.FAST], controller.buffers[0])
+    fast = [j for j, r in enumerate(entry_rows) if plan.modes[r] == StepMode.FAST]
+    record_fast_rows(controller, plan, [entry_rows[j] for j in fast], controller.buffers[0],
+                     [contexts[j] for j in fast])
 
 
 def all_scored(plan: StepPlan, step: SFIStep, rows: list[int], sinks: int) -> bool:
@@ -486,21 +519,27 @@ class SFIBuilderMixin:
         self.controller = get_controller(vllm_config)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        # sfi.mode lossless: the model's own steps attend densely (they verify the drafts)
-        plan = None if self.controller.lossless else self.controller.take_plan()
-        return self._build(common_attn_metadata, fast_build, plan)
+        # sfi.mode lossless: the model's own steps are the platform's dense attention (they verify
+        # the drafts); SFI attends in the drafter's passes only
+        if self.controller.lossless:
+            return self._build(common_attn_metadata, fast_build, None, uniform=False)
+        return self._build(common_attn_metadata, fast_build, self.controller.take_plan())
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         """A drafter pass (vLLM speculative decoding; sfi.mode lossless): planned from the model
-        step's plan by :func:`sfi_vllm.lossless.plan_draft`."""
+        step's plan by :func:`sfi_vllm.lossless.plan_draft`. The previous pass's selections
+        staged for the per-step refresh run first: this pass's fast rows read them."""
         plan = None
+        executor = self.controller.executor
+        if executor is not None and executor.step_refresh.pending:
+            executor.step_refresh.flush(executor)
         if self.controller.lossless:
             from sfi_vllm.lossless import plan_draft
 
             plan = plan_draft(self.controller, common_attn_metadata, draft_index)
         return self._build(common_attn_metadata, True, plan)
 
-    def _build(self, cam, fast_build: bool, plan: StepPlan | None):
+    def _build(self, cam, fast_build: bool, plan: StepPlan | None, uniform: bool = True):
         from dataclasses import fields
 
         # the previous step's refresh work (second stream) before this step's kernels
@@ -509,7 +548,7 @@ class SFIBuilderMixin:
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
-        if self._build_uniform(meta, cam, plan):
+        if uniform and self._build_uniform(meta, cam, plan):
             return meta
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))

@@ -117,14 +117,21 @@ class SFIFlashMetadata(FlashAttentionMetadata):
 class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
     metadata_cls = SFIFlashMetadata
     # Uniform decode steps are captured whole; steps with slow rows are steered to piecewise
-    # graphs by the runner hook (sfi_vllm.patches.runner_hooks).
+    # graphs by the runner hook (sfi_vllm.patches.runner_hooks). In sfi.mode lossless the model's
+    # steps take FlashAttention's own graphs (get_cudagraph_support).
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         from sfi_vllm.config import config_from_vllm
 
-        if config_from_vllm(vllm_config).kernels == "torch":
+        cfg = config_from_vllm(vllm_config)
+        if cfg.mode == "lossless":
+            # the model's steps are FlashAttention's alone (they verify), so its graphs serve them;
+            # the drafter's passes, where SFI attends, run in piecewise graphs only (vLLM's
+            # drafter captures no full graphs)
+            return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        if cfg.kernels == "torch":
             return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 

@@ -203,13 +203,14 @@ class PackedSFILayer(SFILayer):
 
     def _fast_packed(self, step: SFIStep, paged: PagedKV, query: torch.Tensor,
                      output: torch.Tensor, rows: list[int]) -> None:
-        """All ``rows`` in one launch of the Triton fast-step kernel (tables made once per step)."""
+        """All ``rows`` in one launch of the Triton fast-step kernel (tables made once per step:
+        one entry per query token, :func:`~sfi_vllm.backends.common.fast_entries`)."""
         if not rows:
             return
         from sfi_vllm.kernels.fast_decode import default_num_splits, fast_decode_attention
 
         plan, buf, tables = step.plan, self.packed, step.fast_tables
-        assert buf is not None and tables is not None and tables.rows == len(rows)
+        assert buf is not None and tables is not None and tables.rows >= len(rows)
         max_keys = 0
         for row in rows:
             slot = plan.slots[row]
@@ -224,8 +225,10 @@ class PackedSFILayer(SFILayer):
         out = fast_decode_attention(
             query[tables.token], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, default_num_splits(len(rows), self.num_kv_heads, max_keys), slot_map=buf.slot_map_dev)
+            self.scale, default_num_splits(tables.rows, self.num_kv_heads, max_keys), slot_map=buf.slot_map_dev)
         output[tables.token] = out.to(output.dtype)
+        if tables.padding is not None:
+            output[tables.padding] = 0
 
     def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
                      output: torch.Tensor, workspace: torch.Tensor) -> None:

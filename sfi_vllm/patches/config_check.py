@@ -81,7 +81,6 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
     decoding: vLLM's ``draft_model`` method with this same checkpoint as the drafter, SFI in the
     drafter's layers only (:mod:`sfi_vllm.lossless`). Sets the drafter's attention backend to SFI's
     when the speculative config leaves it unset."""
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     spec = getattr(vllm_config, "speculative_config", None)
@@ -101,8 +100,14 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
     if method != "draft_model":
         problems.append(f"sfi.mode lossless needs speculative method draft_model; got {method!r}")
     if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
-        problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
-                        "accepts drafts the model would not have sampled (standard or block keep its distribution)")
+        if cfg.experimental.synthetic_acceptance:
+            logger.warning("sfi-vllm: sfi.mode lossless with rejection_sample_method 'synthetic' "
+                           "(experimental.synthetic_acceptance): drafts are accepted at a set rate, not "
+                           "verified; the output is not the model's. For speed measurements only.")
+        else:
+            problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
+                            "accepts drafts the model would not have sampled (standard or block keep its "
+                            "distribution)")
     draft = getattr(spec, "draft_model_config", None)
     if draft is not None and model_config is not None and draft.model != model_config.model:
         problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "
@@ -112,9 +117,6 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
     elif spec.attention_backend != AttentionBackendEnum.CUSTOM:
         problems.append("sfi.mode lossless runs SFI in the drafter: leave the speculative config's "
                         f"attention_backend unset or sfi; got {spec.attention_backend.name}")
-    if current_platform.is_cuda_alike() and cfg.kernels != "torch":
-        problems.append("sfi.mode lossless runs on the plain-torch path only (the GPU kernels do not "
-                        "draft yet): set sfi.kernels torch")
     return problems
 
 

@@ -50,11 +50,13 @@ def block_tables(seq_lens, page, spare, gen, device):
     return nb, bt.to(device)
 
 
-def device_batch(seq_lens, device, dtype, hq, hkv, d, seed=0):
-    """``make_batch``'s paged cache, metadata and queries (one decode token per row) on ``device``."""
+def device_batch(seq_lens, device, dtype, hq, hkv, d, seed=0, query_lens=None):
+    """``make_batch``'s paged cache, metadata and queries (one decode token per row, or
+    ``query_lens``) on ``device``."""
     from test_sfi_layer import make_batch
 
-    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), [1] * len(seq_lens), hq=hq, hkv=hkv, d=d,
+    query_lens = list(query_lens or [1] * len(seq_lens))
+    paged_cpu, cam, q, _, _ = make_batch("flash", 16, list(seq_lens), query_lens, hq=hq, hkv=hkv, d=d,
                                          seed=seed)
     cache = paged_cpu.kv_cache.permute(0, 2, 1, 3).contiguous().to(device, dtype).permute(0, 2, 1, 3)
     cam.block_table_tensor = cam.block_table_tensor.to(device)

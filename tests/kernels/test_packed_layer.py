@@ -278,3 +278,103 @@ def test_step_refresh(device, dtype, kw):
 ])
 def test_graph_slow(device, dtype, kw):
     check_graph_slow(device, dtype, **kw)
+
+
+def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                       seq_lens=(3000, 900, 5000, 1400), query_lens=(3, 1, 5, 2), padding=(1, 0, 2, 0),
+                       retention=0.15, refresh="per_layer", sliding=False):
+    """A drafter's first pass (``sfi.mode lossless``) on the GPU layer path against the reference
+    layer. Each row holds several verified tokens, then ``padding`` tokens of rejected drafts. By
+    default the pass re-selects every row from its last real token: the rows attend densely
+    (FlashAttention's part, not run here), so only the sets are compared. With
+    ``draft_reselect: reuse_budget`` the pass is a fast step instead: every real token attends to
+    the set and to the window up to itself, and a padding token's output is zero. The per-step
+    refresh is staged by the layer and run by the next pass's metadata build
+    (``SFIBuilderMixin.build_for_drafting``)."""
+    from dataclasses import dataclass
+
+    from sfi_vllm.backends.common import SFIBuilderMixin, SFILayer, SFIStep, attach_fast_tables, make_step
+    from sfi_vllm.backends.packed_layer import PackedSFILayer
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.tools.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import fake_vllm_config, plan_for
+
+    n = len(seq_lens)
+    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+            **policy_overrides("sfi", retention, max(seq_lens))}
+    if sliding:
+        over["window_mode"] = "slide"
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
+    cfg = ctl.cfg
+    packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
+    fast = PackedSFILayer(ctl, hq, hkv, d, scale=d ** -0.5, packed=packed)
+    ref = SFILayer(ctl, hq, hkv, d, scale=d ** -0.5)
+    paged, cam, qd = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=3, query_lens=query_lens)
+    qsl = cam.query_start_loc_cpu.tolist()
+    last = [qsl[i + 1] - 1 - padding[i] for i in range(n)]  # each row's last real token
+    ctx = [s - p for s, p in zip(seq_lens, padding)]  # the rejected drafts are not in the context
+
+    def plan(mode):
+        p = plan_for([mode] * n, cfg=cfg, context=ctx)
+        p.query_tokens = last
+        return p
+
+    @dataclass
+    class Meta:  # the platform metadata's fields, none needed here
+        sfi: SFIStep | None = None
+        sfi_uniform: object = None
+
+    class Platform:
+        def build(self, common_prefix_len, cam, fast_build=False):
+            return Meta()
+
+    class Builder(SFIBuilderMixin, Platform):
+        metadata_cls = Meta
+
+    builder = object.__new__(Builder)
+    builder.controller = ctl
+    slow = make_step(plan(StepMode.SLOW), cam, lambda s: None)
+    assert slow.kernel_rows == list(range(n)) and not slow.fast_rows
+    for layer in (ref, fast):
+        layer.refresh(slow, paged, qd, 0)
+    builder.build_for_drafting(cam, 1)  # the next pass: runs the staged per-step refresh
+    assert not ctl.executor.step_refresh.pending
+    ctl.executor.join_refresh()
+    for row in range(n):
+        entry = ref.buffer.get(row, 1)
+        assert packed.length[row] == entry.num_tokens and packed.window_start[row] == entry.window_start
+        same = (packed.published_keys(row).cpu() == entry.keys.to(dtype).cpu()).all(-1).float().mean().item()
+        assert same > 0.97, f"row {row}: {same:.3f} of the compact set identical"
+    # reuse_budget: the next first pass is a fast step for every real token
+    step = make_step(plan(StepMode.FAST), cam, lambda s: None)
+    attach_fast_tables(step, cam, ctl)
+    assert step.fast_tables.rows == sum(q - p for q, p in zip(query_lens, padding))
+    outs = []
+    for layer in (ref, fast):
+        out = torch.full_like(qd, float("nan"))
+        layer.fast(step, paged, qd, out)
+        outs.append(out.float().cpu())
+    real = [u for i in range(n) for u in range(qsl[i], last[i] + 1)]
+    pad = [u for i in range(n) for u in range(last[i] + 1, qsl[i + 1])]
+    assert not outs[1][real].isnan().any()
+    err = ((outs[1][real] - outs[0][real]).norm() / outs[0][real].norm()).item()
+    assert err < 2e-2, f"fast tokens: {err}"
+    assert torch.all(outs[1][pad] == 0) and torch.all(outs[0][pad] == 0), "padding tokens"
+    return err
+
+
+@pytest.mark.parametrize("device,dtype,kw", [
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400)),
+         id="per_layer-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400), refresh="per_step", sliding=True),
+         id="per_step-sliding-" + shape_id(torch.float32, **CPU_SHAPE)),
+    *(case("cuda", dtype, dict(**shape, refresh=refresh), id=f"{refresh}-" + shape_id(dtype, **shape))
+      for dtype, shape in GPU for refresh in ("per_layer", "per_step")),
+    *(case("cuda", torch.bfloat16, dict(**shape, refresh="per_step", sliding=True), id="per_step-sliding-" + shape_id(torch.bfloat16, **shape))
+      for _, shape in GPU[:1]),
+])
+def test_drafter_pass(device, dtype, kw):
+    check_drafter_pass(device, dtype, **kw)
