@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24, help="tokens per profiled generate call")
     ap.add_argument("--sfi", default=None, help="JSON overrides of the engine's SFI settings")
     ap.add_argument("--out", default=None, help="folder for profile-engine-BxC.txt")
+    ap.add_argument("--spec", default=None, metavar="JSON",
+                    help="sfi.mode lossless: speculative settings as e2e_bench.py --spec's")
     ap.add_argument("--profiled", choices=("probe", "plain"), default="probe",
                     help="the run under the profilers: the slow-step probe or the engine's own settings")
     args = ap.parse_args()
@@ -45,7 +47,14 @@ def main() -> int:
     model = Path("/tmp/sfi-qwen3-4b-shape")
     make_model(model)
     sfi = {**SFI, **(json.loads(args.sfi) if args.sfi else {})}
-    llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=context + args.tokens + 64,
+    extra = {}
+    if args.spec:
+        from e2e_bench import SPEC_MODES
+
+        sfi.update(SPEC_MODES["lossless"])
+        extra["speculative_config"] = {"method": "draft_model", "model": str(model),
+                                       "rejection_sample_method": "synthetic", **json.loads(args.spec)}
+    llm = LLM(**extra, model=str(model), skip_tokenizer_init=True, max_model_len=context + args.tokens + 64,
               max_num_seqs=max(batch, 1), enable_prefix_caching=True, seed=0, enforce_eager=False,
               gpu_memory_utilization=float(os.environ.get("SFI_BENCH_GPU_MEM", "0.9")),
               max_num_batched_tokens=16384,

@@ -283,3 +283,19 @@ def test_a_drafter_pass_is_planned_once_per_model_step():
     again = plan_draft(ctl, cam2, 0)
     assert again is not first and again.modes == [StepMode.FAST]  # 5 verified since: under the budget
     assert ctl.verified_since_selection[ctl.slot_of["a"]] == 5
+
+
+def test_the_models_verify_steps_take_flashattentions_cuda_graphs():
+    """In lossless mode the model's steps are FlashAttention's alone: the SFI backend reports
+    FlashAttention's CUDA-graph support (vLLM otherwise turns full graphs off for speculative
+    decoding); the lossy mode keeps single-token decode graphs."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
+
+    lossless = SFIFlashMetadataBuilder.get_cudagraph_support(fake_vllm_config(LOSSLESS), None)
+    assert lossless == FlashAttentionMetadataBuilder._cudagraph_support
+    assert lossless != AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    lossy = SFIFlashMetadataBuilder.get_cudagraph_support(fake_vllm_config({}), None)
+    assert lossy == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

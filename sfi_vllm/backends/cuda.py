@@ -129,8 +129,9 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         if cfg.mode == "lossless":
             # the model's steps are FlashAttention's alone (they verify), so its graphs serve them;
             # the drafter's passes, where SFI attends, run in piecewise graphs only (vLLM's
-            # drafter captures no full graphs)
-            return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+            # drafter captures no full graphs). FlashAttention's class attribute, not this
+            # class's (which its get_cudagraph_support would return)
+            return FlashAttentionMetadataBuilder._cudagraph_support
         if cfg.kernels == "torch":
             return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
