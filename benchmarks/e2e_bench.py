@@ -373,6 +373,8 @@ def main() -> int:
         print(json.dumps(rows[p]), flush=True)
     modes = args.modes.split(",") if args.modes else ["dense", "sfi"]
     for mode in modes:
+        if mode in SPEC_MODES and not args.spec:
+            raise SystemExit(f"mode {mode!r} needs --spec (its speculative settings)")
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     for mode in modes + list(variants):

@@ -97,8 +97,14 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
                 controller.verified_since_selection[slot] = 0
             stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
     else:
+        limit = controller.max_model_len
         for i in range(base.num_reqs):
             if not base.sampled[i]:
+                continue
+            if limit is not None and context[i] > limit:
+                # the draft's position is past the longest context: vLLM clamps it, writes no KV
+                # and drops the draft; the row runs densely on vLLM's own lengths
+                context[i] = int(limit)
                 continue
             dense = base.configs[i].policy == "dense"
             modes[i] = int(StepMode.DENSE if dense else StepMode.FAST)

@@ -49,6 +49,7 @@ def test_lossless_sets_the_drafters_backend_to_sfi():
     (_spec(method="ngram"), "method draft_model; got 'ngram'"),
     (_spec(model="/models/other"), "must be '/models/m'; got '/models/other'"),
     (SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
+    (SimpleNamespace(**vars(_spec()), parallel_drafting=True), "parallel_drafting"),
 ])
 def test_lossless_refuses_other_drafters(spec, needle):
     problems = speculative_problems(build_config(LOSSLESS), _engine(None, spec))
@@ -152,14 +153,33 @@ def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fas
     assert plan.geometry == [RowGeometry.at(c, n) for c, n in zip(plan.configs, [104, 307])]  # at that context
     assert plan.refresh_all == [True, True]
     assert (ctl.stats.get("a").accepted_tokens, ctl.stats.get("b").accepted_tokens) == (1, 4)
-    # next drafter pass: one token per row, fast
-    cam1 = _CAM(num_reqs=2, seq_lens=torch.tensor([105, 308]), query_start_loc_cpu=torch.tensor([0, 1, 2]),
+    # next drafter pass: one token per row, fast; its lengths follow from the first pass's, not
+    # from the device (no seq_lens to read here)
+    cam1 = _CAM(num_reqs=2, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1, 2]),
                 slot_mapping=torch.tensor([13, 26]))
     plan1 = plan_draft(ctl, cam1, 1)
     assert plan1.modes == [StepMode.FAST, StepMode.FAST] and plan1.context == [105, 308] and plan1.query_tokens is None
     st = ctl.stats.get("a")
     assert (st.slow_steps, st.fast_steps, dict(st.slow_reasons)) == (1, 1, {"verify": 1})
     assert st.acceptance_length == 2.0  # one accepted draft + the model's own token per verify
+
+
+def test_a_draft_past_the_longest_context_runs_densely():
+    """vLLM drafts k tokens even where the last ones fall past max_model_len (it clamps their
+    positions and writes no KV): those passes run the row densely on vLLM's lengths."""
+    ctl = SFIController(build_config({**LOSSLESS, "boundary_token_ids": [7]}),
+                        fake_vllm_config(LOSSLESS, max_model_len=108))
+    z = torch.zeros(1, dtype=torch.long)
+    ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], z)
+    ctl.plan_step(["a"], np.array([5]), np.array([101]), [100], z)
+    cam = _CAM(num_reqs=1, seq_lens=torch.tensor([107]), query_start_loc_cpu=torch.tensor([0, 6]),
+               slot_mapping=torch.arange(6))
+    assert plan_draft(ctl, cam, 0).context == [107]  # every draft accepted
+    one = _CAM(num_reqs=1, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1]), slot_mapping=torch.tensor([6]))
+    p1, p2 = plan_draft(ctl, one, 1), plan_draft(ctl, one, 2)
+    assert p1.modes == [StepMode.FAST] and p1.context == [108]
+    assert p2.modes == [StepMode.PREFILL] and p2.context == [108]
+    assert ctl.stats.get("a").fast_steps == 1
 
 
 def test_drafter_passes_outside_a_verified_step_are_dense():

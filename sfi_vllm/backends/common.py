@@ -257,12 +257,14 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
         return
     entry_rows, tokens, contexts = fast_entries(step, rows)
     per_row = dict(zip(rows, fast_row_tables(plan, rows).t().tolist()))
-    host = torch.empty(4, len(entry_rows), dtype=torch.int32)
-    for j, (r, ctx) in enumerate(zip(entry_rows, contexts)):
-        slot, min_ws = per_row[r]
+    slots, min_ws = [], []
+    for r, ctx in zip(entry_rows, contexts):
+        slot, ws = per_row[r]
         if slot >= 0 and ctx != step.seq_lens[r] and plan.configs[r].slides_window:
-            min_ws = RowGeometry.at(plan.configs[r], ctx).window_start  # where the window was at that token
-        host[:, j] = torch.tensor([slot, min_ws, ctx, tokens[j]], dtype=torch.int32)
+            ws = RowGeometry.at(plan.configs[r], ctx).window_start  # where the window was at that token
+        slots.append(slot)
+        min_ws.append(ws)
+    host = torch.tensor([slots, min_ws, contexts, tokens], dtype=torch.int32)
     dev = cam.seq_lens.device
     tables = to_device(host, dev)
     idx = _to_device(entry_rows, dev)

@@ -108,6 +108,9 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
             problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
                             "accepts drafts the model would not have sampled (standard or block keep its "
                             "distribution)")
+    if getattr(spec, "parallel_drafting", False):
+        problems.append("sfi.mode lossless drafts one token per pass; parallel_drafting needs a drafter "
+                        "trained for it")
     draft = getattr(spec, "draft_model_config", None)
     if draft is not None and model_config is not None and draft.model != model_config.model:
         problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "

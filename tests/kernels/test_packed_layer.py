@@ -317,8 +317,8 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     last = [qsl[i + 1] - 1 - padding[i] for i in range(n)]  # each row's last real token
     ctx = [s - p for s, p in zip(seq_lens, padding)]  # the rejected drafts are not in the context
 
-    def plan(mode):
-        p = plan_for([mode] * n, cfg=cfg, context=ctx)
+    def plan(mode, context):
+        p = plan_for([mode] * n, cfg=cfg, context=context)
         p.query_tokens = last
         return p
 
@@ -336,7 +336,9 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
     builder = object.__new__(Builder)
     builder.controller = ctl
-    slow = make_step(plan(StepMode.SLOW), cam, lambda s: None)
+    # the sets are selected 40 tokens before the fast pass, so that a sliding window has moved
+    # on by each of its tokens
+    slow = make_step(plan(StepMode.SLOW, [c - 40 for c in ctx]), cam, lambda s: None)
     assert slow.kernel_rows == list(range(n)) and not slow.fast_rows
     for layer in (ref, fast):
         layer.refresh(slow, paged, qd, 0)
@@ -349,7 +351,7 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         same = (packed.published_keys(row).cpu() == entry.keys.to(dtype).cpu()).all(-1).float().mean().item()
         assert same > 0.97, f"row {row}: {same:.3f} of the compact set identical"
     # reuse_budget: the next first pass is a fast step for every real token
-    step = make_step(plan(StepMode.FAST), cam, lambda s: None)
+    step = make_step(plan(StepMode.FAST, ctx), cam, lambda s: None)
     attach_fast_tables(step, cam, ctl)
     assert step.fast_tables.rows == sum(q - p for q, p in zip(query_lens, padding))
     outs = []
@@ -360,8 +362,10 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     real = [u for i in range(n) for u in range(qsl[i], last[i] + 1)]
     pad = [u for i in range(n) for u in range(last[i] + 1, qsl[i + 1])]
     assert not outs[1][real].isnan().any()
-    err = ((outs[1][real] - outs[0][real]).norm() / outs[0][real].norm()).item()
-    assert err < 2e-2, f"fast tokens: {err}"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # a window start off by a token shows in float32
+    for u in real:
+        err = ((outs[1][u] - outs[0][u]).norm() / outs[0][u].norm()).item()
+        assert err < tol, f"fast token {u}: {err}"
     assert torch.all(outs[1][pad] == 0) and torch.all(outs[0][pad] == 0), "padding tokens"
     return err
 
