@@ -62,6 +62,12 @@ class ExperimentalConfig(BaseModel):
         "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
         "token-level selection only: page selection always takes torch's)",
     )
+    drafter_graphs: bool = Field(
+        False,
+        description="sfi.mode lossless on CUDA: run the drafter's one-token passes as full CUDA "
+        "graphs, one per batch size, captured at first use (vLLM 0.26 gives a drafter piecewise "
+        "graphs only, and its eager passes are host-bound). Not yet measured on a GPU",
+    )
     synthetic_acceptance: bool = Field(
         False,
         description="sfi.mode lossless, for speed measurements only: allow vLLM's "

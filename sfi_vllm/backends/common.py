@@ -532,16 +532,20 @@ class SFIBuilderMixin:
         step's plan by :func:`sfi_vllm.lossless.plan_draft`. The previous pass's selections
         staged for the per-step refresh run first: this pass's fast rows read them."""
         plan = None
-        executor = self.controller.executor
+        ctl = self.controller
+        executor = ctl.executor
         if executor is not None and executor.step_refresh.pending:
             executor.step_refresh.flush(executor)
-        if self.controller.lossless:
+        ctl.draft_graph = None
+        if ctl.lossless:
             from sfi_vllm.lossless import plan_draft
 
-            plan = plan_draft(self.controller, common_attn_metadata, draft_index)
-        return self._build(common_attn_metadata, True, plan)
+            plan = plan_draft(ctl, common_attn_metadata, draft_index)
+        graph_rows = ctl.draft_graph_rows if draft_index > 0 else None
+        return self._build(common_attn_metadata, True, plan, graph_rows=graph_rows)
 
-    def _build(self, cam, fast_build: bool, plan: StepPlan | None, uniform: bool = True):
+    def _build(self, cam, fast_build: bool, plan: StepPlan | None, uniform: bool = True,
+               graph_rows: int | None = None):
         from dataclasses import fields
 
         # the previous step's refresh work (second stream) before this step's kernels
@@ -550,16 +554,18 @@ class SFIBuilderMixin:
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
-        if uniform and self._build_uniform(meta, cam, plan):
+        if uniform and self._build_uniform(meta, cam, plan, graph_rows):
             return meta
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))
             self._build_fast_tables(meta.sfi, cam)
         return meta
 
-    def _build_uniform(self, meta, cam, plan: StepPlan | None) -> bool:
+    def _build_uniform(self, meta, cam, plan: StepPlan | None, graph_rows: int | None = None) -> bool:
         """Platform hook: attach the all-rows fast-step tables of a step whose every row is one
-        decode token served by the fast-step kernel (CUDA graphs); False: not such a step."""
+        decode token served by the fast-step kernel (CUDA graphs); False: not such a step.
+        ``graph_rows``: a drafter pass run as a full CUDA graph of that many (padded) rows
+        (``experimental.drafter_graphs``)."""
         return False
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:

@@ -146,17 +146,44 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         executor = self.controller.executor
         tables = 5 if executor is not None and executor.fused_scores is not None else 2
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
+        # experimental.drafter_graphs: the drafter's lengths at a fixed address (vLLM makes them anew
+        # at every step's first drafter pass)
+        cfg = self.controller.cfg
+        self._graph_seq_lens = (torch.zeros(rows, dtype=torch.int32, device=device)
+                                if cfg.mode == "lossless" and cfg.experimental.drafter_graphs else None)
 
-    def _build_uniform(self, meta, cam, plan) -> bool:
+    def _build_uniform(self, meta, cam, plan, graph_rows: int | None = None) -> bool:
         if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):
             return False
         n = cam.num_reqs
         if n > self._row_tables.shape[1]:
             return False  # larger than any CUDA-graph batch: the eager path serves it
-        meta.sfi_uniform = uniform_tables(plan, cam, self._row_tables, self.controller)
+        tables = uniform_tables(plan, cam, self._row_tables, self.controller)
+        if graph_rows is not None and self._graph_seq_lens is not None:
+            tables = self._graph_tables(tables, cam, graph_rows)
+        meta.sfi_uniform = tables
         if plan is not None and plan.graph_slow:  # slow rows attend here, refreshed after the step
             self.controller.executor.note_graph_slow(plan, cam.block_table_tensor)
         return True
+
+    def _graph_tables(self, tables: FastRows, cam, rows: int) -> FastRows:
+        """A drafter pass run as a full CUDA graph of ``rows`` (padded) rows: tables for every row,
+        the padding rows empty (no compact set, no keys), at addresses that do not move from step
+        to step; reported in ``controller.draft_graph`` (the graph wrapper replays only then)."""
+        n = cam.num_reqs
+        bt = cam.block_table_tensor
+        storage_rows = (bt.untyped_storage().nbytes() // bt.element_size() - bt.storage_offset()) // bt.stride(0)
+        if not n <= rows <= min(self._row_tables.shape[1], storage_rows):
+            return tables
+        self._graph_seq_lens[:n].copy_(cam.seq_lens[:n])
+        self._graph_seq_lens[n:rows].zero_()
+        self._row_tables[0, n:rows] = -1
+        self._row_tables[1, n:rows] = 0
+        block_table = bt.as_strided((rows, bt.shape[1]), bt.stride())
+        self.controller.draft_graph = (rows, (self._graph_seq_lens.data_ptr(), bt.data_ptr(),
+                                              self._row_tables.data_ptr()))
+        return FastRows(rows=rows, slot=tables.slot, min_window_start=tables.min_window_start,
+                        seq_lens=self._graph_seq_lens, block_table=block_table, scores=tables.scores)
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:
         if self._uniform_ok:

@@ -63,6 +63,11 @@ def install_for(controller) -> None:
     """:func:`sfi_vllm.controller.on_new_controller`'s callback: the hooks find each step's
     controller through :func:`current_controller`, so installing once serves every engine."""
     install()
+    cfg = controller.cfg
+    if cfg.mode == "lossless" and cfg.experimental.drafter_graphs:
+        from sfi_vllm.patches import drafter_graphs
+
+        drafter_graphs.install()
 
 
 def install() -> None:

@@ -1,0 +1,193 @@
+"""``experimental.drafter_graphs`` (sfi.mode lossless, CUDA): the drafter's one-token passes as
+full CUDA graphs.
+
+Why a patch: vLLM 0.26's speculative-decoding proposer gives a drafter piecewise CUDA graphs
+only (``SpecDecodeBaseProposer.initialize_cudagraph_keys``), so each drafter pass runs its
+attention eagerly, and the lossless mode's drafter passes are host-bound (about 10 ms of host
+work per pass of a 36-layer model against about 4 ms of device work at 8 x 32K:
+benchmarks/results/lossless-h200.md). The SFI attention of a one-token drafter pass is the lossy
+mode's uniform launch, which reads device tables only. So the whole forward of passes 1..k-1 can
+be one CUDA graph per batch size.
+
+Patched (vLLM 0.26.0, V1 ``GPUModelRunner``'s proposer):
+
+* ``SpecDecodeBaseProposer.propose``: notes that its next batch-execution decision after the first
+  pass's is the one for passes 1..k-1;
+* ``SpecDecodeBaseProposer._determine_batch_execution_and_padding``: for that decision returns
+  ``CUDAGraphMode.FULL`` (where vLLM chose piecewise graphs and runs no data parallelism), and
+  wraps the proposer's model in :class:`DrafterGraphs` the first time.
+
+Each pass's metadata build (``SFIBuilderMixin.build_for_drafting``) then writes the uniform tables
+for every row of the padded batch at fixed addresses and reports it (``controller.draft_graph``);
+:class:`DrafterGraphs` replays the graph captured for that batch size, captures it the first time
+(thread-local capture, on the engine's stream, in a private memory pool), and runs the pass
+piecewise when the build could not serve it (a Quest-style row, or addresses that moved). The
+tokens stay the model's: the model verifies every draft.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("sfi_vllm")
+
+_INSTALLED = False
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    output: Any
+    addresses: tuple[int, ...]  # what the graph reads: inputs, and the tables' buffers
+
+
+def _addresses(args, kwargs, tables: tuple[int, ...]) -> tuple[int, ...]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
+    return tuple(t.data_ptr() for t in tensors) + tuple(tables)
+
+
+class DrafterGraphs:
+    """Wraps a drafter's model: passes that the proposer runs with ``CUDAGraphMode.FULL`` replay a
+    captured graph per batch size (see the module doc); every other call runs the model."""
+
+    def __init__(self, model, controller) -> None:
+        self.runnable = model
+        self.controller = controller
+        self.graphs: dict[int, _Graph] = {}
+        self.warmed: set[int] = set()  # batch sizes run once piecewise (Triton compiles outside a capture)
+        self.failed: set[int] = set()  # batch sizes whose capture raised: they stay piecewise
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+        self.piecewise = 0
+
+    def __getattr__(self, name: str):
+        # the proposer reads the model's attributes (compute_logits, ...) through the wrapper
+        if name in ("runnable", "controller", "graphs"):
+            raise AttributeError(name)
+        return getattr(self.runnable, name)
+
+    def __call__(self, *args, **kwargs):
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        fc = get_forward_context()
+        if fc.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+            return self.runnable(*args, **kwargs)
+        ready = self.controller.draft_graph
+        rows = fc.batch_descriptor.num_tokens if fc.batch_descriptor is not None else None
+        if ready is None or ready[0] != rows or rows in self.failed or rows not in self.warmed:
+            # this pass's metadata does not serve a graph (eager rows, or a larger batch), or the
+            # size runs once piecewise first: its kernels compile outside the capture
+            if ready is not None and ready[0] == rows:
+                self.warmed.add(rows)
+            fc.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+            self.piecewise += 1
+            return self.runnable(*args, **kwargs)
+        addresses = _addresses(args, kwargs, ready[1])
+        entry = self.graphs.get(rows)
+        if entry is None or entry.addresses != addresses:
+            try:
+                entry = self.graphs[rows] = self._capture(fc, rows, addresses, args, kwargs)
+            except Exception:  # noqa: BLE001 - any capture failure: this size runs piecewise
+                logger.warning("sfi-vllm: capturing the drafter's pass for %d rows failed; that batch size "
+                               "runs in piecewise graphs", rows, exc_info=True)
+                self.graphs.pop(rows, None)
+                self.failed.add(rows)
+                fc.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+                return self.runnable(*args, **kwargs)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.output
+
+    def _capture(self, fc, rows: int, addresses, args, kwargs) -> _Graph:
+        """Capture the pass's forward for ``rows`` (the piecewise wrappers inside run their
+        pieces directly: runtime mode NONE while capturing)."""
+        from vllm.config import CUDAGraphMode
+
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        fc.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.current_stream(),
+                                  capture_error_mode="thread_local"):
+                output = self.runnable(*args, **kwargs)
+        finally:
+            fc.cudagraph_runtime_mode = CUDAGraphMode.FULL
+        self.captures += 1
+        logger.info("sfi-vllm: captured the drafter's one-token pass for a batch of %d rows", rows)
+        return _Graph(graph=graph, output=output, addresses=addresses)
+
+
+def _breakable() -> bool:
+    """vLLM's breakable CUDA graphs wrap the drafter's model themselves: not combined with these."""
+    try:
+        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    except ImportError:
+        return False
+    return bool(is_breakable_cudagraph_enabled())
+
+
+def _enabled(controller) -> bool:
+    cfg = controller.cfg
+    return cfg.mode == "lossless" and cfg.experimental.drafter_graphs
+
+
+def decide(proposer, ctl, mode, padded: int, across_dp):
+    """The proposer's batch-execution decision, given vLLM's (``mode``, ``padded``, ``across_dp``):
+    ``CUDAGraphMode.FULL`` for the passes after the first of a ``propose`` call (its second
+    decision) where vLLM chose piecewise graphs, with no data parallelism or breakable graphs; the
+    proposer's model is then wrapped in :class:`DrafterGraphs`."""
+    from vllm.config import CUDAGraphMode
+
+    decisions = getattr(proposer, "_sfi_decisions", None)
+    if decisions is None or ctl is None or not _enabled(ctl):
+        return mode, padded, across_dp
+    proposer._sfi_decisions = decisions + 1
+    if decisions == 1 and mode == CUDAGraphMode.PIECEWISE and across_dp is None and not _breakable():
+        if not isinstance(proposer.model, DrafterGraphs):
+            proposer.model = DrafterGraphs(proposer.model, ctl)
+        ctl.draft_graph_rows = padded  # the builder writes tables for this many rows
+        return CUDAGraphMode.FULL, padded, across_dp
+    return mode, padded, across_dp
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from sfi_vllm.controller import current_controller
+
+    orig_propose = SpecDecodeBaseProposer.propose
+    orig_determine = SpecDecodeBaseProposer._determine_batch_execution_and_padding
+
+    @functools.wraps(orig_propose)
+    def propose(self, *args, **kwargs):
+        self._sfi_decisions = 0  # the first decision is the first pass's, the second the later passes'
+        try:
+            return orig_propose(self, *args, **kwargs)
+        finally:
+            self._sfi_decisions = None
+            ctl = current_controller()
+            if ctl is not None:
+                ctl.draft_graph_rows = ctl.draft_graph = None
+
+    @functools.wraps(orig_determine)
+    def _determine_batch_execution_and_padding(self, num_tokens, use_cudagraphs=True):
+        mode, padded, across_dp = orig_determine(self, num_tokens, use_cudagraphs)
+        return decide(self, current_controller(), mode, padded, across_dp)
+
+    SpecDecodeBaseProposer.propose = propose
+    SpecDecodeBaseProposer._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
+    _INSTALLED = True

@@ -1,0 +1,111 @@
+"""``experimental.drafter_graphs``: the decision to run the drafter's later passes as full CUDA
+graphs, the padded tables the builder makes for them, and the wrapper's fallbacks. The capture
+and replay themselves need CUDA (on the CPU a capture fails, which exercises the fallback)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from sfi_vllm.config import build_config
+from sfi_vllm.controller import SFIController
+from tests.test_sfi_layer import fake_vllm_config
+
+LOSSLESS = {"mode": "lossless", "sinks": 4, "recent_window": 16, "selected_tokens": 16,
+            "experimental": {"drafter_graphs": True}}
+
+
+def _controller(over=LOSSLESS):
+    return SFIController(build_config({**over, "boundary_token_ids": [7]}), fake_vllm_config(over))
+
+
+def test_only_the_second_decision_of_a_propose_call_is_full():
+    from vllm.config import CUDAGraphMode
+
+    from sfi_vllm.patches.drafter_graphs import DrafterGraphs, decide
+
+    ctl = _controller()
+    model = object()
+    proposer = SimpleNamespace(model=model, _sfi_decisions=0)
+    pw = CUDAGraphMode.PIECEWISE
+    assert decide(proposer, ctl, pw, 24, None) == (pw, 24, None)  # the first pass
+    assert decide(proposer, ctl, pw, 8, None) == (CUDAGraphMode.FULL, 8, None)  # the later passes
+    assert isinstance(proposer.model, DrafterGraphs) and proposer.model.runnable is model
+    assert ctl.draft_graph_rows == 8
+    # outside propose (vLLM's own dummy runs), without graphs, with data parallelism, or switched off
+    assert decide(SimpleNamespace(model=model, _sfi_decisions=None), ctl, pw, 8, None)[0] == pw
+    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), ctl, CUDAGraphMode.NONE, 8, None)[0] == CUDAGraphMode.NONE
+    dp = torch.tensor([8, 8])
+    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), ctl, pw, 8, dp)[0] == pw
+    off = _controller({**LOSSLESS, "experimental": {}})
+    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), off, pw, 8, None)[0] == pw
+
+
+def _builder(ctl, rows=8):
+    from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
+
+    b = object.__new__(SFIFlashMetadataBuilder)
+    b.controller = ctl
+    b._row_tables = torch.full((2, rows), 5, dtype=torch.int32)
+    b._graph_seq_lens = torch.full((rows,), 7, dtype=torch.int32)
+    return b
+
+
+def test_padded_tables_have_empty_padding_rows_at_fixed_addresses():
+    from sfi_vllm.backends.common import FastRows
+
+    ctl = _controller()
+    b = _builder(ctl)
+    storage = torch.arange(8 * 4, dtype=torch.int32).view(8, 4)  # the runner's block table, 8 rows
+    cam = SimpleNamespace(num_reqs=3, seq_lens=torch.tensor([100, 200, 300], dtype=torch.int32),
+                          block_table_tensor=storage[:3])
+    tables = FastRows(rows=3, slot=b._row_tables[0], min_window_start=b._row_tables[1],
+                      seq_lens=cam.seq_lens, block_table=cam.block_table_tensor)
+    out = b._graph_tables(tables, cam, 6)
+    assert out.rows == 6 and out.seq_lens.data_ptr() == b._graph_seq_lens.data_ptr()
+    assert out.seq_lens[:6].tolist() == [100, 200, 300, 0, 0, 0]
+    assert b._row_tables[0, 3:6].tolist() == [-1] * 3 and b._row_tables[1, 3:6].tolist() == [0] * 3
+    assert b._row_tables[0, :3].tolist() == [5] * 3  # the real rows' tables are uniform_tables'
+    assert torch.equal(out.block_table, storage[:6])
+    assert ctl.draft_graph == (6, (b._graph_seq_lens.data_ptr(), storage.data_ptr(), b._row_tables.data_ptr()))
+    # more rows than the tables or the block table hold: the tables stay as they were, no graph
+    ctl.draft_graph = None
+    assert b._graph_tables(tables, cam, 9) is tables and ctl.draft_graph is None
+
+
+def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fails(monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    from sfi_vllm.patches import drafter_graphs as dg
+
+    ctl = _controller()
+    calls = []
+
+    def model(input_ids=None, positions=None):
+        calls.append(get_mode())
+        return input_ids
+
+    fc = SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.FULL, batch_descriptor=SimpleNamespace(num_tokens=4))
+    get_mode = lambda: fc.cudagraph_runtime_mode  # noqa: E731
+    monkeypatch.setattr("vllm.forward_context.is_forward_context_available", lambda: True)
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: fc)
+    wrapper = dg.DrafterGraphs(model, ctl)
+    ids = torch.zeros(4, dtype=torch.long)
+    # no graph-ready tables for this pass: piecewise
+    wrapper(input_ids=ids)
+    assert calls[-1] == CUDAGraphMode.PIECEWISE and wrapper.piecewise == 1
+    # ready: the first call of the size runs piecewise (its kernels compile outside a capture)
+    ctl.draft_graph = (4, (1, 2, 3))
+    fc.cudagraph_runtime_mode = CUDAGraphMode.FULL
+    wrapper(input_ids=ids)
+    assert calls[-1] == CUDAGraphMode.PIECEWISE and 4 in wrapper.warmed
+    # the next one captures; without CUDA the capture fails and the size stays piecewise
+    fc.cudagraph_runtime_mode = CUDAGraphMode.FULL
+    if not torch.cuda.is_available():
+        wrapper(input_ids=ids)
+        assert 4 in wrapper.failed and wrapper.captures == 0 and calls[-1] == CUDAGraphMode.PIECEWISE
+    # any other mode passes through untouched
+    fc.cudagraph_runtime_mode = CUDAGraphMode.NONE
+    wrapper(input_ids=ids)
+    assert calls[-1] == CUDAGraphMode.NONE
