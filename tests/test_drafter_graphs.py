@@ -27,19 +27,28 @@ def test_only_the_second_decision_of_a_propose_call_is_full():
 
     ctl = _controller()
     model = object()
-    proposer = SimpleNamespace(model=model, _sfi_decisions=0)
+    proposer = SimpleNamespace(model=model, _sfi_decisions=0, method="draft_model")
     pw = CUDAGraphMode.PIECEWISE
     assert decide(proposer, ctl, pw, 24, None) == (pw, 24, None)  # the first pass
     assert decide(proposer, ctl, pw, 8, None) == (CUDAGraphMode.FULL, 8, None)  # the later passes
     assert isinstance(proposer.model, DrafterGraphs) and proposer.model.runnable is model
     assert ctl.draft_graph_rows == 8
     # outside propose (vLLM's own dummy runs), without graphs, with data parallelism, or switched off
-    assert decide(SimpleNamespace(model=model, _sfi_decisions=None), ctl, pw, 8, None)[0] == pw
-    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), ctl, CUDAGraphMode.NONE, 8, None)[0] == CUDAGraphMode.NONE
-    dp = torch.tensor([8, 8])
-    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), ctl, pw, 8, dp)[0] == pw
+    def later(**kw):  # a proposer at its second decision
+        return SimpleNamespace(**{"model": model, "_sfi_decisions": 1, "method": "draft_model", **kw})
+
+    assert decide(later(), ctl, pw, 8, None)[0] == CUDAGraphMode.FULL
+    # outside propose (vLLM's own dummy runs), without graphs, with data parallelism, another
+    # method, tensor parallelism, or switched off
+    assert decide(later(_sfi_decisions=None), ctl, pw, 8, None)[0] == pw
+    assert decide(later(), ctl, CUDAGraphMode.NONE, 8, None)[0] == CUDAGraphMode.NONE
+    assert decide(later(), ctl, pw, 8, torch.tensor([8, 8]))[0] == pw
+    assert decide(later(method="eagle3"), ctl, pw, 8, None)[0] == pw
+    tp2 = _controller()
+    tp2.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert decide(later(), tp2, pw, 8, None)[0] == pw
     off = _controller({**LOSSLESS, "experimental": {}})
-    assert decide(SimpleNamespace(model=model, _sfi_decisions=1), off, pw, 8, None)[0] == pw
+    assert decide(later(), off, pw, 8, None)[0] == pw
 
 
 def _builder(ctl, rows=8):

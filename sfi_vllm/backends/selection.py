@@ -187,10 +187,11 @@ class SlowStepSelection:
         self.captures += 1
 
 
-def capture_graph(body) -> tuple[Any, Any]:
+def capture_graph(body, pool=None) -> tuple[Any, Any]:
     """``(graph, what body returned while captured)``. ``body`` runs once eagerly first, on a
-    side stream (lazily initialised kernels and workspaces), then under capture; the warm-up's
-    writes are those of the replay that follows.
+    side stream (lazily initialised kernels and workspaces), then under capture (on a side stream
+    too: CUDA captures no work of the default stream), in ``pool`` if given (a
+    ``torch.cuda.graph_pool_handle()``); the warm-up's writes are those of the replay that follows.
 
     Python's cyclic garbage collector is off while capturing: a collection that frees an unreachable
     ``CUDAGraph`` (an old controller's cache, say) destroys it mid-capture, which CUDA forbids and which
@@ -206,7 +207,7 @@ def capture_graph(body) -> tuple[Any, Any]:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = body()
     finally:
         if collecting:

@@ -20,9 +20,12 @@ Patched (vLLM 0.26.0, V1 ``GPUModelRunner``'s proposer):
 Each pass's metadata build (``SFIBuilderMixin.build_for_drafting``) then writes the uniform tables
 for every row of the padded batch at fixed addresses and reports it (``controller.draft_graph``);
 :class:`DrafterGraphs` replays the graph captured for that batch size, captures it the first time
-(thread-local capture, on the engine's stream, in a private memory pool), and runs the pass
-piecewise when the build could not serve it (a Quest-style row, or addresses that moved). The
-tokens stay the model's: the model verifies every draft.
+after one piecewise run of that size (an eager run and the capture on side streams, the garbage
+collector off, in a private memory pool), and runs the pass piecewise when the build could not
+serve it (a Quest-style row, or buffers that moved more than ``MAX_RECAPTURES`` times). A capture
+happens in the middle of serving (a one-off pause per batch size, with a device synchronisation);
+its memory is not in vLLM's KV-cache sizing. One GPU per engine only. The tokens stay the model's:
+the model verifies every draft.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 logger = logging.getLogger("sfi_vllm")
 
 _INSTALLED = False
+MAX_RECAPTURES = 2  # captures of one batch size again after a buffer moved, before it stays piecewise
 
 
 @dataclass
@@ -61,7 +65,8 @@ class DrafterGraphs:
         self.controller = controller
         self.graphs: dict[int, _Graph] = {}
         self.warmed: set[int] = set()  # batch sizes run once piecewise (Triton compiles outside a capture)
-        self.failed: set[int] = set()  # batch sizes whose capture raised: they stay piecewise
+        self.failed: set[int] = set()  # batch sizes whose capture raised, or that moved too often: piecewise
+        self.recaptures: dict[int, int] = {}
         self.pool = None
         self.captures = 0
         self.replays = 0
@@ -94,7 +99,18 @@ class DrafterGraphs:
             return self.runnable(*args, **kwargs)
         addresses = _addresses(args, kwargs, ready[1])
         entry = self.graphs.get(rows)
-        if entry is None or entry.addresses != addresses:
+        if entry is not None and entry.addresses != addresses:
+            # a buffer the graph reads moved: capture again, but not every step
+            self.recaptures[rows] = self.recaptures.get(rows, 0) + 1
+            if self.recaptures[rows] > MAX_RECAPTURES:
+                logger.warning("sfi-vllm: the drafter's buffers for %d rows keep moving; that batch size runs "
+                               "in piecewise graphs", rows)
+                self.graphs.pop(rows)
+                self.failed.add(rows)
+                fc.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+                return self.runnable(*args, **kwargs)
+            entry = None
+        if entry is None:
             try:
                 entry = self.graphs[rows] = self._capture(fc, rows, addresses, args, kwargs)
             except Exception:  # noqa: BLE001 - any capture failure: this size runs piecewise
@@ -110,21 +126,22 @@ class DrafterGraphs:
 
     def _capture(self, fc, rows: int, addresses, args, kwargs) -> _Graph:
         """Capture the pass's forward for ``rows`` (the piecewise wrappers inside run their
-        pieces directly: runtime mode NONE while capturing)."""
+        pieces directly: runtime mode NONE while capturing), with the selection graphs' capture:
+        an eager run and the capture on side streams, the garbage collector off."""
         from vllm.config import CUDAGraphMode
+
+        from sfi_vllm.backends.selection import capture_graph
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         fc.cudagraph_runtime_mode = CUDAGraphMode.NONE
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.current_stream(),
-                                  capture_error_mode="thread_local"):
-                output = self.runnable(*args, **kwargs)
+            graph, output = capture_graph(lambda: self.runnable(*args, **kwargs), pool=self.pool)
         finally:
             fc.cudagraph_runtime_mode = CUDAGraphMode.FULL
         self.captures += 1
-        logger.info("sfi-vllm: captured the drafter's one-token pass for a batch of %d rows", rows)
+        logger.info("sfi-vllm: captured the drafter's one-token passes for a batch of %d rows (captures %d, "
+                    "replays so far %d, piecewise passes %d)", rows, self.captures, self.replays, self.piecewise)
         return _Graph(graph=graph, output=output, addresses=addresses)
 
 
@@ -138,8 +155,13 @@ def _breakable() -> bool:
 
 
 def _enabled(controller) -> bool:
+    """Switched on, lossless, one GPU per engine (collectives inside the capture are not run
+    through vLLM's graph_capture, which registers their buffers)."""
     cfg = controller.cfg
-    return cfg.mode == "lossless" and cfg.experimental.drafter_graphs
+    parallel = getattr(controller.vllm_config, "parallel_config", None)
+    single = (int(getattr(parallel, "tensor_parallel_size", 1) or 1) == 1
+              and int(getattr(parallel, "pipeline_parallel_size", 1) or 1) == 1)
+    return cfg.mode == "lossless" and cfg.experimental.drafter_graphs and single
 
 
 def decide(proposer, ctl, mode, padded: int, across_dp):
@@ -150,7 +172,7 @@ def decide(proposer, ctl, mode, padded: int, across_dp):
     from vllm.config import CUDAGraphMode
 
     decisions = getattr(proposer, "_sfi_decisions", None)
-    if decisions is None or ctl is None or not _enabled(ctl):
+    if decisions is None or ctl is None or not _enabled(ctl) or getattr(proposer, "method", None) != "draft_model":
         return mode, padded, across_dp
     proposer._sfi_decisions = decisions + 1
     if decisions == 1 and mode == CUDAGraphMode.PIECEWISE and across_dp is None and not _breakable():
