@@ -345,6 +345,8 @@ def main() -> int:
     if args.spec:
         spec = json.loads(args.spec)
         for name, over in SPEC_MODES.items():
+            if over is not None:  # the --sfi settings' experimental fields are kept
+                over = {**over, "experimental": {**MODES["sfi"].get("experimental", {}), **over["experimental"]}}
             MODES[name] = None if over is None else {**MODES["sfi"], **over}
     if args.mode:
         spec = json.loads(args.spec) if args.mode in SPEC_MODES else None

@@ -51,7 +51,8 @@ def main() -> int:
     if args.spec:
         from e2e_bench import SPEC_MODES
 
-        sfi.update(SPEC_MODES["lossless"])
+        over = SPEC_MODES["lossless"]
+        sfi.update({**over, "experimental": {**sfi.get("experimental", {}), **over["experimental"]}})
         extra["speculative_config"] = {"method": "draft_model", "model": str(model),
                                        "rejection_sample_method": "synthetic", **json.loads(args.spec)}
     llm = LLM(**extra, model=str(model), skip_tokenizer_init=True, max_model_len=context + args.tokens + 64,
