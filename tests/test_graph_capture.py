@@ -21,8 +21,8 @@ def fake_cuda(monkeypatch):
     seen = []
 
     @contextlib.contextmanager
-    def graph(g, capture_error_mode=None):
-        seen.append(("capture", gc.isenabled()))
+    def graph(g, capture_error_mode=None, pool=None):
+        seen.append(("capture", gc.isenabled()) + (() if pool is None else (pool,)))
         yield
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
@@ -41,6 +41,11 @@ def test_collector_is_off_during_capture_and_restored(fake_cuda):
     assert calls == [True, False]  # warm-up with the collector on, the captured run with it off
     assert fake_cuda == [("capture", False)]
     assert gc.isenabled()
+
+
+def test_a_given_memory_pool_is_the_captures(fake_cuda):
+    selection.capture_graph(lambda: None, pool="pool")
+    assert fake_cuda == [("capture", False, "pool")]
 
 
 def test_collector_restored_when_capture_fails(fake_cuda):

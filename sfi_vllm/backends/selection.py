@@ -207,7 +207,7 @@ def capture_graph(body, pool=None) -> tuple[Any, Any]:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local", **({} if pool is None else {"pool": pool})):
             out = body()
     finally:
         if collecting:
