@@ -130,7 +130,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
               max_num_seqs=max(b for b, _ in points), enable_prefix_caching=True,
               gpu_memory_utilization=float(os.environ.get("SFI_BENCH_GPU_MEM", "0.92")),
               max_num_batched_tokens=16384, seed=0, enforce_eager=False,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, *(b for b, _ in points)})})
+              compilation_config={"cudagraph_capture_sizes": capture_sizes([b for b, _ in points], spec)})
     if sfi is not None:
         kw.update(attention_backend="sfi", additional_config={"sfi": sfi})
     if tp > 1:
@@ -185,6 +185,21 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             out.append(res)
             print("RESULT " + json.dumps(res), flush=True)
     return out
+
+
+def capture_sizes(batches: list[int], spec: dict | None) -> list[int]:
+    """CUDA-graph capture sizes (tokens per step) that give every step of the run a graph of its
+    own size: each batch, and with speculative decoding each batch's verify step, batch x
+    (num_speculative_tokens + 1) tokens. vLLM rounds the sizes up to multiples of
+    num_speculative_tokens + 1 and drops those above the largest given
+    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), so without the verify sizes a
+    verify step of 8 rows x 5 tokens ran with no CUDA graph at all, and the drafter's one-token
+    passes were padded to the next multiple of 5."""
+    sizes = {1, 2, 4, 8, 16, *batches}
+    if spec is not None:
+        k = int(spec.get("num_speculative_tokens", 1))
+        sizes |= {b * (k + 1) for b in batches}
+    return sorted(sizes)
 
 
 def warmup_tokens(sfi: dict | None, over: dict | None, new_tokens: int) -> int:

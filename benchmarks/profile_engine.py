@@ -41,7 +41,7 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from e2e_bench import PROBE, SFI, make_model
+    from e2e_bench import PROBE, SFI, capture_sizes, make_model
 
     batch, context = (int(x) for x in args.point.split("x"))
     model = Path("/tmp/sfi-qwen3-4b-shape")
@@ -59,7 +59,7 @@ def main() -> int:
               max_num_seqs=max(batch, 1), enable_prefix_caching=True, seed=0, enforce_eager=False,
               gpu_memory_utilization=float(os.environ.get("SFI_BENCH_GPU_MEM", "0.9")),
               max_num_batched_tokens=16384,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, batch})},
+              compilation_config={"cudagraph_capture_sizes": capture_sizes([batch], extra.get("speculative_config"))},
               attention_backend="sfi", additional_config={"sfi": sfi})
     g = torch.Generator().manual_seed(batch * 7 + context)
     prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context,), generator=g).tolist()}
