@@ -123,6 +123,9 @@ class SFIController:
         # metadata build made for the graph (rows, the addresses of the buffers it reads), or None
         self.draft_graph_rows: int | None = None
         self.draft_graph: tuple[int, tuple[int, ...]] | None = None
+        # ... and the wrapper of the drafter's model once it exists (its captures, replays and
+        # piecewise passes: what a benchmark reports)
+        self.drafter_graphs: Any = None
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against

@@ -100,6 +100,7 @@ def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fail
     monkeypatch.setattr("vllm.forward_context.is_forward_context_available", lambda: True)
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: fc)
     wrapper = dg.DrafterGraphs(model, ctl)
+    assert ctl.drafter_graphs is wrapper  # benchmarks read its counters through the controller
     ids = torch.zeros(4, dtype=torch.long)
     # no graph-ready tables for this pass: piecewise
     wrapper(input_ids=ids)
@@ -118,3 +119,5 @@ def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fail
     fc.cudagraph_runtime_mode = CUDAGraphMode.NONE
     wrapper(input_ids=ids)
     assert calls[-1] == CUDAGraphMode.NONE
+    if not torch.cuda.is_available():
+        assert wrapper.counters() == dict(captures=0, replays=0, piecewise=3, failed_sizes=1)

@@ -71,6 +71,13 @@ class DrafterGraphs:
         self.captures = 0
         self.replays = 0
         self.piecewise = 0
+        controller.drafter_graphs = self
+
+    def counters(self) -> dict[str, int]:
+        """Captures, replays, piecewise passes (warm-up runs and passes the graph could not
+        serve) and batch sizes left piecewise, since the wrapper was made."""
+        return dict(captures=self.captures, replays=self.replays, piecewise=self.piecewise,
+                    failed_sizes=len(self.failed))
 
     def __getattr__(self, name: str):
         # the proposer reads the model's attributes (compute_logits, ...) through the wrapper
@@ -108,6 +115,7 @@ class DrafterGraphs:
                 self.graphs.pop(rows)
                 self.failed.add(rows)
                 fc.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+                self.piecewise += 1
                 return self.runnable(*args, **kwargs)
             entry = None
         if entry is None:
@@ -119,6 +127,7 @@ class DrafterGraphs:
                 self.graphs.pop(rows, None)
                 self.failed.add(rows)
                 fc.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+                self.piecewise += 1
                 return self.runnable(*args, **kwargs)
         entry.graph.replay()
         self.replays += 1
