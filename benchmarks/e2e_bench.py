@@ -178,7 +178,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                     # slow steps in a graph whose rows did not fit the fused score buffers
                     res["fused_score_misses"] = misses1 - misses0
                 graphs1 = _drafter_graph_counters()
-                if graphs1 is not None:  # experimental.drafter_graphs: what the timed run replayed
+                if graphs1 is not None:  # sfi.drafter_graphs: what the timed run replayed
                     res.update({f"drafter_graph_{k}": v - (graphs0 or {}).get(k, 0) for k, v in graphs1.items()})
                 if spec is not None:  # tokens per verify step, as the SFI statistics count them
                     res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
@@ -234,7 +234,7 @@ def _token_reads() -> tuple[int, ...] | None:
 
 
 def _drafter_graph_counters() -> dict[str, int] | None:
-    """The in-process drafter-graph wrapper's counters (``experimental.drafter_graphs``), or None
+    """The in-process drafter-graph wrapper's counters (``sfi.drafter_graphs``), or None
     where there is none (yet)."""
     from sfi_vllm.controller import current_controller
 

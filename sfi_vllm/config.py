@@ -49,10 +49,24 @@ class SFIConfigError(ValueError):
     """A bad SFI setting; the message names the field and the allowed range."""
 
 
+def _refuse_moved(data: Any, moved: dict[str, str], old_prefix: str, new_prefix: str) -> Any:
+    """A validator's input, unless it holds a key that moved: then an error naming its new place."""
+    if isinstance(data, dict):
+        for old, new in moved.items():
+            if old in data:
+                raise ValueError(f"{old_prefix}{old} moved to {new_prefix}{new}")
+    return data
+
+
 class ExperimentalConfig(BaseModel):
     """Options kept for comparison runs: measured, not better than the default where it matters."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _promoted_fields(cls, data: Any) -> Any:
+        return _refuse_moved(data, PROMOTED_FIELDS, "sfi.experimental.", "sfi.")
 
     selector_top_k: Literal["torch", "triton"] = Field(
         "torch",
@@ -61,13 +75,6 @@ class ExperimentalConfig(BaseModel):
         "score by radix select and writes the chosen positions in order (triton: slower than torch "
         "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
         "token-level selection only: page selection always takes torch's)",
-    )
-    drafter_graphs: bool = Field(
-        False,
-        description="sfi.mode lossless on CUDA: run the drafter's one-token passes as full CUDA "
-        "graphs, one per batch size, captured at first use (vLLM 0.26 gives a drafter piecewise "
-        "graphs only, and its eager passes are host-bound). On an H200 at 8 x 32K: 0.35x and 0.60x "
-        "dense in two runs, against 0.26x without (benchmarks/results/lossless-h200.md, part 4)",
     )
     synthetic_acceptance: bool = Field(
         False,
@@ -80,6 +87,8 @@ class ExperimentalConfig(BaseModel):
 
 # top-level fields that moved into a nested model: their new place
 MOVED_FIELDS = {"selector_top_k": "experimental.selector_top_k"}
+# experimental fields that became settings: their new place
+PROMOTED_FIELDS = {"drafter_graphs": "drafter_graphs"}
 
 
 class SelectorConfig(BaseModel):
@@ -132,11 +141,7 @@ class _SettingsModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _moved_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old, new in MOVED_FIELDS.items():
-                if old in data:
-                    raise ValueError(f"sfi.{old} moved to sfi.{new}")
-        return data
+        return _refuse_moved(data, MOVED_FIELDS, "sfi.", "sfi.")
 
     @model_validator(mode="before")
     @classmethod
@@ -357,6 +362,15 @@ class EngineSettings(_SettingsModel):
         "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
         "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
         "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
+    )
+    drafter_graphs: bool = Field(
+        True,
+        description="sfi.mode lossless on CUDA, one GPU per engine: run the drafter's one-token "
+        "passes as full CUDA graphs, one per padded batch size, each captured at its first use after "
+        "one piecewise run (a one-off pause; the graphs' memory is outside vLLM's KV-cache sizing). "
+        "vLLM 0.26 gives a drafter piecewise graphs only, and its eager passes are host-bound. On an "
+        "H200 at 8 x 32K: 0.35x and 0.60x dense in two runs, against 0.26x with false "
+        "(benchmarks/results/lossless-h200.md, part 4)",
     )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     compact_memory_gib: float | None = Field(

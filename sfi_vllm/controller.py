@@ -118,7 +118,7 @@ class SFIController:
         # sfi.mode lossless: each drafter pass's plan, by pass index, with the model step's plan it
         # was made from (sfi_vllm.lossless.plan_draft plans a pass once per model step)
         self.draft_plans: dict[int, tuple[StepPlan, StepPlan]] = {}
-        # experimental.drafter_graphs (sfi_vllm.patches.drafter_graphs): the padded batch of the
+        # sfi.drafter_graphs (sfi_vllm.patches.drafter_graphs): the padded batch of the
         # drafter's one-token passes when they run as full CUDA graphs, and what this pass's
         # metadata build made for the graph (rows, the addresses of the buffers it reads), or None
         self.draft_graph_rows: int | None = None

@@ -1,4 +1,4 @@
-"""``experimental.drafter_graphs``: the decision to run the drafter's later passes as full CUDA
+"""``sfi.drafter_graphs``: the decision to run the drafter's later passes as full CUDA
 graphs, the padded tables the builder makes for them, and the wrapper's fallbacks. The capture
 and replay themselves need CUDA (on the CPU a capture fails, which exercises the fallback)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sfi_vllm.config import build_config
@@ -13,7 +14,7 @@ from sfi_vllm.controller import SFIController
 from tests.test_sfi_layer import fake_vllm_config
 
 LOSSLESS = {"mode": "lossless", "sinks": 4, "recent_window": 16, "selected_tokens": 16,
-            "experimental": {"drafter_graphs": True}}
+            "drafter_graphs": True}
 
 
 def _controller(over=LOSSLESS):
@@ -47,7 +48,7 @@ def test_only_the_second_decision_of_a_propose_call_is_full():
     tp2 = _controller()
     tp2.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
     assert decide(later(), tp2, pw, 8, None)[0] == pw
-    off = _controller({**LOSSLESS, "experimental": {}})
+    off = _controller({**LOSSLESS, "drafter_graphs": False})
     assert decide(later(), off, pw, 8, None)[0] == pw
 
 
@@ -121,3 +122,24 @@ def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fail
     assert calls[-1] == CUDAGraphMode.NONE
     if not torch.cuda.is_available():
         assert wrapper.counters() == dict(captures=0, replays=0, piecewise=3, failed_sizes=1)
+
+
+def test_on_by_default_in_lossless_and_the_old_key_names_its_new_place():
+    from sfi_vllm.config import SFIConfigError
+
+    assert build_config({"mode": "lossless"}, use_env=False).drafter_graphs is True
+    with pytest.raises(SFIConfigError, match="experimental.drafter_graphs moved to sfi.drafter_graphs"):
+        build_config({"experimental": {"drafter_graphs": True}}, use_env=False)
+
+
+def test_a_parallel_engine_says_at_start_up_why_its_drafter_runs_piecewise():
+    from sfi_vllm.patches import drafter_graphs as dg
+
+    ctl = _controller()
+    assert dg.not_served(ctl) is None
+    ctl.vllm_config.parallel_config = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                                      data_parallel_size=1)
+    assert "tensor or pipeline" in dg.not_served(ctl)
+    ctl.vllm_config.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                      data_parallel_size=2)
+    assert dg.not_served(ctl) == "data parallelism"

@@ -1,5 +1,5 @@
 # Device side, one call after the GPU install (benchmarks/results/lossless-h200.md, part 4): SmolLM2 in
-# sfi.mode lossless with experimental.drafter_graphs, 4 requests, 3 generate calls; prints the wrappers'
+# sfi.mode lossless with drafter_graphs (the run used its earlier name, experimental.drafter_graphs), 4 requests, 3 generate calls; prints the wrappers'
 # captures / replays / piecewise passes, the acceptance and the first tokens.
 bash .gpu/5/install.sh > /tmp/i.log 2>&1; . /tmp/sfi-env.sh && . benchmarks/device_env.sh
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('/tmp/sfi-smol'))" > /tmp/c.log 2>&1
@@ -7,7 +7,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 330 python3 - > $OUT/dg.log 2>&1 <<'PY'
 import gc, json, time
 from vllm import LLM, SamplingParams
 m = "/tmp/sfi-smol"
-sfi = {"mode": "lossless", "selected_tokens": 256, "recent_window": 64, "experimental": {"drafter_graphs": True}}
+sfi = {"mode": "lossless", "selected_tokens": 256, "recent_window": 64, "drafter_graphs": True}
 llm = LLM(model=m, attention_backend="sfi", additional_config={"sfi": sfi}, max_model_len=4096, max_num_seqs=8,
           gpu_memory_utilization=0.5, speculative_config={"method": "draft_model", "model": m, "num_speculative_tokens": 4})
 p = ["The history of the city of Rome begins with a small settlement on the Tiber. " * 60 + "Summarize it."] * 2

@@ -565,7 +565,7 @@ class SFIBuilderMixin:
         """Platform hook: attach the all-rows fast-step tables of a step whose every row is one
         decode token served by the fast-step kernel (CUDA graphs); False: not such a step.
         ``graph_rows``: a drafter pass run as a full CUDA graph of that many (padded) rows
-        (``experimental.drafter_graphs``)."""
+        (``sfi.drafter_graphs``)."""
         return False
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:

@@ -146,11 +146,11 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         executor = self.controller.executor
         tables = 5 if executor is not None and executor.fused_scores is not None else 2
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
-        # experimental.drafter_graphs: the drafter's lengths at a fixed address (vLLM makes them anew
+        # sfi.drafter_graphs: the drafter's lengths at a fixed address (vLLM makes them anew
         # at every step's first drafter pass)
         cfg = self.controller.cfg
         self._graph_seq_lens = (torch.zeros(rows, dtype=torch.int32, device=device)
-                                if cfg.mode == "lossless" and cfg.experimental.drafter_graphs else None)
+                                if cfg.mode == "lossless" and cfg.drafter_graphs else None)
 
     def _build_uniform(self, meta, cam, plan, graph_rows: int | None = None) -> bool:
         if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):

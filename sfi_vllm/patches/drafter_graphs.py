@@ -1,4 +1,4 @@
-"""``experimental.drafter_graphs`` (sfi.mode lossless, CUDA): the drafter's one-token passes as
+"""``sfi.drafter_graphs`` (on by default in sfi.mode lossless, CUDA): the drafter's one-token passes as
 full CUDA graphs.
 
 Why a patch: vLLM 0.26's speculative-decoding proposer gives a drafter piecewise CUDA graphs
@@ -170,7 +170,18 @@ def _enabled(controller) -> bool:
     parallel = getattr(controller.vllm_config, "parallel_config", None)
     single = (int(getattr(parallel, "tensor_parallel_size", 1) or 1) == 1
               and int(getattr(parallel, "pipeline_parallel_size", 1) or 1) == 1)
-    return cfg.mode == "lossless" and cfg.experimental.drafter_graphs and single
+    return cfg.mode == "lossless" and cfg.drafter_graphs and single
+
+
+def not_served(controller) -> str | None:
+    """Why a lossless engine with ``drafter_graphs`` on will run its drafter's passes piecewise
+    anyway (logged at start-up), or None."""
+    parallel = getattr(controller.vllm_config, "parallel_config", None)
+    if not _enabled(controller):
+        return "tensor or pipeline parallelism (one GPU per engine only)"
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+        return "data parallelism"
+    return None
 
 
 def decide(proposer, ctl, mode, padded: int, across_dp):

@@ -24,12 +24,14 @@ off for SFI engines (see :mod:`sfi_vllm.patches.config_check`).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from sfi_vllm.controller import current_controller
 from sfi_vllm.host_copy import to_device
 
+logger = logging.getLogger("sfi_vllm")
 _INSTALLED = False
 
 
@@ -64,10 +66,14 @@ def install_for(controller) -> None:
     controller through :func:`current_controller`, so installing once serves every engine."""
     install()
     cfg = controller.cfg
-    if cfg.mode == "lossless" and cfg.experimental.drafter_graphs:
+    if cfg.mode == "lossless" and cfg.drafter_graphs:
         from sfi_vllm.patches import drafter_graphs
 
         drafter_graphs.install()
+        reason = drafter_graphs.not_served(controller)
+        if reason is not None:
+            logger.info("sfi-vllm: drafter_graphs is on but the drafter's passes run in piecewise graphs "
+                        "under %s", reason)
 
 
 def install() -> None:
