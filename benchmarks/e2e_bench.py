@@ -158,7 +158,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             before = _stats_totals(llm) if sfi is not None else None
             reads0 = _token_reads()
             misses0 = _fused_score_misses()
-            graphs0 = _drafter_graph_counters()
+            graphs0 = _graph_runs()
             t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
             decode_tok = batch * (new_tokens - 1)
             res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
@@ -177,9 +177,9 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
                 if misses0 is not None and misses1 is not None:
                     # slow steps in a graph whose rows did not fit the fused score buffers
                     res["fused_score_misses"] = misses1 - misses0
-                graphs1 = _drafter_graph_counters()
-                if graphs1 is not None:  # sfi.drafter_graphs: what the timed run replayed
-                    res.update({f"drafter_graph_{k}": v - (graphs0 or {}).get(k, 0) for k, v in graphs1.items()})
+                # how the selection and the drafter's passes ran in the timed run (captures in it
+                # are pauses that the warm-up did not take)
+                res.update({k: v - graphs0.get(k, 0) for k, v in _graph_runs().items()})
                 if spec is not None:  # tokens per verify step, as the SFI statistics count them
                     res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
                                                      / max(after[6] - before[6], 1), 3)
@@ -233,14 +233,19 @@ def _token_reads() -> tuple[int, ...] | None:
     return (ctl.tokens.reads, ctl.tokens.steps) + (() if waits is None else (waits,))
 
 
-def _drafter_graph_counters() -> dict[str, int] | None:
-    """The in-process drafter-graph wrapper's counters (``sfi.drafter_graphs``), or None
-    where there is none (yet)."""
+def _graph_runs() -> dict[str, int]:
+    """The in-process controller's CUDA-graph runs so far (sfi_cuda_graph_runs): the selection's
+    (``selection_graph_replay`` / ``_capture`` / ``_eager``) and, with ``sfi.drafter_graphs``, the
+    drafter's passes (``drafter_graph_*``); empty where there is no such controller."""
     from sfi_vllm.controller import current_controller
 
     ctl = current_controller()
-    wrapper = None if ctl is None else getattr(ctl, "drafter_graphs", None)
-    return None if wrapper is None else wrapper.counters()
+    out: dict[str, int] = {}
+    if ctl is not None and ctl.executor is not None:
+        out.update({f"selection_graph_{k}": v for k, v in ctl.executor.graph_runs().items()})
+    if ctl is not None and ctl.drafter_graphs is not None:
+        out.update({f"drafter_graph_{k}": v for k, v in ctl.drafter_graphs.counters().items()})
+    return out
 
 
 def _fused_score_misses() -> int | None:

@@ -471,6 +471,9 @@ class SFIController:
         per-step refresh), then the plan is forgotten."""
         if self.executor is not None:
             self.executor.finish(self.layers)
+            self.stats.note_graph_runs("selection", self.executor.graph_runs())
+        if self.drafter_graphs is not None:
+            self.stats.note_graph_runs("drafter", self.drafter_graphs.counters())
         self.current_plan = None
         self.stats.flush_metrics()
 

@@ -75,6 +75,15 @@ class SFIMetrics:
                                            "timed by CUDA events on the GPU kernel path (a per-step "
                                            "refresh of every layer counts as that many layers, each "
                                            "its share)", buckets=SECONDS_BUCKETS)
+        self.graph_runs = Counter("sfi_cuda_graph_runs", "GPU kernel path: how the work that SFI "
+                                  "captures in CUDA graphs of its own ran, by what (selection: a slow "
+                                  "step's selection and repack, one run per step and shape with the "
+                                  "per-step refresh, one per layer with the per-layer refresh; drafter: "
+                                  "sfi.mode lossless, a drafter pass that drafter_graphs may run as a "
+                                  "graph) and how (replay: a captured graph; capture: a new graph "
+                                  "captured, which synchronises the device; eager: without one, for "
+                                  "a shape not yet used often enough or a pass the graph cannot serve)",
+                                  ["what", "how"])
         if not os.environ.get(MULTIPROC_ENV):
             logger.info("sfi-vllm: %s is not set, so SFI's metrics stay in this process: a server's "
                         "/metrics shows them only when the server starts with it set to an empty "

@@ -120,6 +120,7 @@ class StatsRegistry:
         self.metrics = metrics
         self._steps: Counter = Counter()
         self._fast_sums = [0, 0, 0]  # attended, context, evaluations
+        self._graph_totals: dict[str, dict[str, int]] = {}  # note_graph_runs' last totals
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.stats_file = stats_file
@@ -197,6 +198,17 @@ class StatsRegistry:
         self.metrics.write(self._steps, self._fast_sums)
         self._steps = Counter()
         self._fast_sums = [0, 0, 0]
+
+    def note_graph_runs(self, what: str, totals: dict[str, int]) -> None:
+        """``totals``: the running counts of one user of CUDA graphs (``what``: "selection",
+        "drafter") by how its work ran ("replay", "capture", "eager"); the metrics get what each
+        grew by since the last call."""
+        last = self._graph_totals.setdefault(what, {})
+        for how, n in totals.items():
+            grown = n - last.get(how, 0)
+            if grown > 0 and self.metrics is not None:
+                self.metrics.graph_runs.labels(what=what, how=how).inc(grown)
+            last[how] = n
 
     def observe_selection(self, seconds: float) -> None:
         if self.metrics is not None:

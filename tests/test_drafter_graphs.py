@@ -121,7 +121,12 @@ def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fail
     wrapper(input_ids=ids)
     assert calls[-1] == CUDAGraphMode.NONE
     if not torch.cuda.is_available():
-        assert wrapper.counters() == dict(captures=0, replays=0, piecewise=3, failed_sizes=1)
+        assert wrapper.counters() == dict(replay=0, capture=0, eager=3)
+        # the step's end publishes them (sfi_cuda_graph_runs{what="drafter"})
+        seen = []
+        ctl.stats.note_graph_runs = lambda what, totals: seen.append((what, totals))
+        ctl.end_step()
+        assert ("drafter", dict(replay=0, capture=0, eager=3)) in seen
 
 
 def test_on_by_default_in_lossless_and_the_old_key_names_its_new_place():

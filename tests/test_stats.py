@@ -42,3 +42,47 @@ def test_exit_write_to_a_vanished_folder_warns_instead_of_raising(tmp_path, capl
     with caplog.at_level("WARNING", logger="sfi_vllm"):
         reg._write_open_at_exit()
     assert "could not write open requests" in caplog.text
+
+
+class _FakeCounter:
+    def __init__(self):
+        self.values = {}
+
+    def labels(self, **labels):
+        key = tuple(sorted(labels.items()))
+        counter = self
+
+        class _Child:
+            def inc(self, n=1):
+                counter.values[key] = counter.values.get(key, 0) + n
+
+        return _Child()
+
+
+def test_graph_runs_reach_the_metric_as_what_each_count_grew_by():
+    from types import SimpleNamespace
+
+    metrics = SimpleNamespace(graph_runs=_FakeCounter())
+    reg = StatsRegistry(metrics=metrics)
+    reg.note_graph_runs("selection", {"replay": 0, "capture": 1, "eager": 3})
+    reg.note_graph_runs("selection", {"replay": 5, "capture": 1, "eager": 4})
+    reg.note_graph_runs("drafter", {"replay": 2, "capture": 1, "eager": 1})
+    got = metrics.graph_runs.values
+    assert got[(("how", "replay"), ("what", "selection"))] == 5
+    assert got[(("how", "capture"), ("what", "selection"))] == 1
+    assert got[(("how", "eager"), ("what", "selection"))] == 4
+    assert got[(("how", "replay"), ("what", "drafter"))] == 2
+    # a count that does not grow adds nothing; without metrics nothing is written
+    reg.note_graph_runs("selection", {"replay": 5, "capture": 1, "eager": 4})
+    assert got[(("how", "replay"), ("what", "selection"))] == 5
+    StatsRegistry().note_graph_runs("selection", {"replay": 1})
+
+
+def test_the_executor_counts_both_refresh_paths_together():
+    from sfi_vllm.backends.cuda_executor import CudaExecutor
+    from sfi_vllm.config import build_config
+
+    ex = CudaExecutor(build_config({}, use_env=False))
+    ex.step_refresh.replays, ex.step_refresh.captures, ex.step_refresh.eager_runs = 7, 1, 2
+    ex.slow_selection.replays, ex.slow_selection.captures, ex.slow_selection.eager_runs = 3, 2, 5
+    assert ex.graph_runs() == {"replay": 10, "capture": 3, "eager": 7}

@@ -148,6 +148,13 @@ class CudaExecutor:
             for _ in range(max(layers, 1)):
                 self.observe_selection(share)
 
+    def graph_runs(self) -> dict[str, int]:
+        """The selection's runs so far (per-step and per-layer refresh together), by how they ran:
+        replayed from a captured graph, captured, or eager (sfi_cuda_graph_runs)."""
+        step, layer = self.step_refresh, self.slow_selection
+        return {"replay": step.replays + layer.replays, "capture": step.captures + layer.captures,
+                "eager": step.eager_runs + layer.eager_runs}
+
     # -- the end of a step ------------------------------------------------------------------------
     def finish(self, layers: list) -> None:
         """After the step's forward: stage the refresh of slow rows that ran inside the graph, then

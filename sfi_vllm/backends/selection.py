@@ -98,6 +98,7 @@ class SlowStepSelection:
         # that is evicted is forgotten, so one that keeps being evicted by others stays eager
         self._uses: OrderedDict[tuple, tuple[int, int | None]] = OrderedDict()
         self.captures = 0
+        self.replays = 0  # replays of a graph captured at an earlier use
         self.eager_runs = 0
 
     def count_use(self, key: tuple, step: int | None = None) -> bool:
@@ -163,6 +164,8 @@ class SlowStepSelection:
                 self.eager_runs += 1
                 return body()
             self._capture(entry, body)
+        else:
+            self.replays += 1
         entry.graph.replay()
         assert entry.positions is not None
         return entry.positions

@@ -74,10 +74,10 @@ class DrafterGraphs:
         controller.drafter_graphs = self
 
     def counters(self) -> dict[str, int]:
-        """Captures, replays, piecewise passes (warm-up runs and passes the graph could not
-        serve) and batch sizes left piecewise, since the wrapper was made."""
-        return dict(captures=self.captures, replays=self.replays, piecewise=self.piecewise,
-                    failed_sizes=len(self.failed))
+        """The passes the proposer ran as full graphs since the wrapper was made, by how: replayed,
+        captured, or piecewise ("eager": warm-up runs and passes the graph could not serve;
+        sfi_cuda_graph_runs). The batch sizes left piecewise for good are in ``failed``."""
+        return dict(replay=self.replays, capture=self.captures, eager=self.piecewise)
 
     def __getattr__(self, name: str):
         # the proposer reads the model's attributes (compute_logits, ...) through the wrapper
