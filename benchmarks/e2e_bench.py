@@ -121,8 +121,7 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
     slow-step probe) a warm-up decode (:func:`warmup_tokens`) compiles what the decode steps need
     (Triton kernels, SFI's selection graphs for this context), a cached one-token pass times the residual,
-    then the timed run. CUDA-graph capture sizes include every batch of the run, so each batch
-    replays a graph of its own size in both modes."""
+    then the timed run. CUDA-graph capture sizes: :func:`capture_sizes`."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -192,13 +191,14 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
 
 
 def capture_sizes(batches: list[int], spec: dict | None) -> list[int]:
-    """CUDA-graph capture sizes (tokens per step) that give every step of the run a graph of its
-    own size: each batch, and with speculative decoding each batch's verify step, batch x
-    (num_speculative_tokens + 1) tokens. vLLM rounds the sizes up to multiples of
-    num_speculative_tokens + 1 and drops those above the largest given
-    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), so without the verify sizes a
-    verify step of 8 rows x 5 tokens ran with no CUDA graph at all, and the drafter's one-token
-    passes were padded to the next multiple of 5."""
+    """CUDA-graph capture sizes (tokens per step): each batch of the run, so that a decode step
+    replays a graph of its own size, and with speculative decoding each batch's verify step,
+    batch x (num_speculative_tokens + 1) tokens. With speculative decoding vLLM 0.26 (V1 runner,
+    full decode graphs) rounds the sizes up to multiples of num_speculative_tokens + 1 and drops
+    those that then exceed the largest size given
+    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``): without the verify sizes a
+    verify step of 8 rows x 5 tokens ran with no CUDA graph at all. The drafter's one-token passes
+    are still padded to a multiple of num_speculative_tokens + 1 (8 rows to 10)."""
     sizes = {1, 2, 4, 8, 16, *batches}
     if spec is not None:
         k = int(spec.get("num_speculative_tokens", 1))
@@ -243,8 +243,8 @@ def _graph_runs() -> dict[str, int]:
     out: dict[str, int] = {}
     if ctl is not None and ctl.executor is not None:
         out.update({f"selection_graph_{k}": v for k, v in ctl.executor.graph_runs().items()})
-    if ctl is not None and ctl.drafter_graphs is not None:
-        out.update({f"drafter_graph_{k}": v for k, v in ctl.drafter_graphs.counters().items()})
+    if ctl is not None and ctl.drafter_graph_wrapper is not None:
+        out.update({f"drafter_graph_{k}": v for k, v in ctl.drafter_graph_wrapper.counters().items()})
     return out
 
 

@@ -365,7 +365,8 @@ class EngineSettings(_SettingsModel):
     )
     drafter_graphs: bool = Field(
         True,
-        description="sfi.mode lossless on CUDA, one GPU per engine: run the drafter's one-token "
+        description="sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run "
+        "the drafter's one-token "
         "passes as full CUDA graphs, one per padded batch size, each captured at its first use after "
         "one piecewise run (a one-off pause; the graphs' memory is outside vLLM's KV-cache sizing). "
         "vLLM 0.26 gives a drafter piecewise graphs only, and its eager passes are host-bound. On an "

@@ -125,7 +125,7 @@ class SFIController:
         self.draft_graph: tuple[int, tuple[int, ...]] | None = None
         # ... and the wrapper of the drafter's model once it exists (its captures, replays and
         # piecewise passes: what a benchmark reports)
-        self.drafter_graphs: Any = None
+        self.drafter_graph_wrapper: Any = None
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against
@@ -472,8 +472,8 @@ class SFIController:
         if self.executor is not None:
             self.executor.finish(self.layers)
             self.stats.note_graph_runs("selection", self.executor.graph_runs())
-        if self.drafter_graphs is not None:
-            self.stats.note_graph_runs("drafter", self.drafter_graphs.counters())
+        if self.drafter_graph_wrapper is not None:
+            self.stats.note_graph_runs("drafter", self.drafter_graph_wrapper.counters())
         self.current_plan = None
         self.stats.flush_metrics()
 

@@ -101,7 +101,7 @@ def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fail
     monkeypatch.setattr("vllm.forward_context.is_forward_context_available", lambda: True)
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: fc)
     wrapper = dg.DrafterGraphs(model, ctl)
-    assert ctl.drafter_graphs is wrapper  # benchmarks read its counters through the controller
+    assert ctl.drafter_graph_wrapper is wrapper  # metrics and benchmarks read its counters there
     ids = torch.zeros(4, dtype=torch.long)
     # no graph-ready tables for this pass: piecewise
     wrapper(input_ids=ids)

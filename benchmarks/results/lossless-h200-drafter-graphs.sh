@@ -1,7 +1,8 @@
 # Device side, one call after the GPU install (benchmarks/results/lossless-h200.md, part 4): SmolLM2 in
 # sfi.mode lossless with drafter_graphs (the run used its earlier name, experimental.drafter_graphs), 4 requests, 3 generate calls; prints the wrappers'
 # captures / replays / piecewise passes, the acceptance and the first tokens.
-bash .gpu/5/install.sh > /tmp/i.log 2>&1; . /tmp/sfi-env.sh && . benchmarks/device_env.sh
+# after the GPU install, which writes /tmp/sfi-env.sh and unpacks the SmolLM2 GGUF in /tmp/sfi-model
+. /tmp/sfi-env.sh && . benchmarks/device_env.sh
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('/tmp/sfi-smol'))" > /tmp/c.log 2>&1
 VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 330 python3 - > $OUT/dg.log 2>&1 <<'PY'
 import gc, json, time

@@ -128,9 +128,10 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         cfg = config_from_vllm(vllm_config)
         if cfg.mode == "lossless":
             # the model's steps are FlashAttention's alone (they verify), so its graphs serve them;
-            # the drafter's passes, where SFI attends, run in piecewise graphs only (vLLM's
-            # drafter captures no full graphs). FlashAttention's class attribute, not this
-            # class's (which its get_cudagraph_support would return)
+            # the drafter's passes, where SFI attends, get no full graphs from vLLM (its drafter
+            # captures piecewise graphs only; sfi.drafter_graphs captures the one-token passes
+            # itself). FlashAttention's class attribute, not this class's (which its
+            # get_cudagraph_support would return)
             return FlashAttentionMetadataBuilder._cudagraph_support
         if cfg.kernels == "torch":
             return AttentionCGSupport.NEVER

@@ -24,7 +24,8 @@ after one piecewise run of that size (an eager run and the capture on side strea
 collector off, in a private memory pool), and runs the pass piecewise when the build could not
 serve it (a Quest-style row, or buffers that moved more than ``MAX_RECAPTURES`` times). A capture
 happens in the middle of serving (a one-off pause per batch size, with a device synchronisation);
-its memory is not in vLLM's KV-cache sizing. One GPU per engine only. The tokens stay the model's:
+its memory is not in vLLM's KV-cache sizing. Not under tensor, pipeline or data parallelism
+(logged at start-up: :func:`not_served`). The tokens stay the model's:
 the model verifies every draft.
 """
 
@@ -71,7 +72,7 @@ class DrafterGraphs:
         self.captures = 0
         self.replays = 0
         self.piecewise = 0
-        controller.drafter_graphs = self
+        controller.drafter_graph_wrapper = self
 
     def counters(self) -> dict[str, int]:
         """The passes the proposer ran as full graphs since the wrapper was made, by how: replayed,
@@ -118,7 +119,8 @@ class DrafterGraphs:
                 self.piecewise += 1
                 return self.runnable(*args, **kwargs)
             entry = None
-        if entry is None:
+        captured = entry is None
+        if captured:
             try:
                 entry = self.graphs[rows] = self._capture(fc, rows, addresses, args, kwargs)
             except Exception:  # noqa: BLE001 - any capture failure: this size runs piecewise
@@ -130,7 +132,7 @@ class DrafterGraphs:
                 self.piecewise += 1
                 return self.runnable(*args, **kwargs)
         entry.graph.replay()
-        self.replays += 1
+        self.replays += 0 if captured else 1  # the capturing pass counts as the capture
         return entry.output
 
     def _capture(self, fc, rows: int, addresses, args, kwargs) -> _Graph:
