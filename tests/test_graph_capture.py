@@ -65,3 +65,14 @@ def test_collector_left_off_when_it_was_off(fake_cuda):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_selection_captures_are_logged_first_one_by_one_then_sparsely(caplog):
+    import logging
+
+    from sfi_vllm.backends.selection import CAPTURE_LOG_EVERY, CAPTURE_LOG_FIRST, log_capture
+
+    with caplog.at_level(logging.INFO, logger="sfi_vllm"):
+        logged = [n for n in range(1, 3 * CAPTURE_LOG_EVERY + 1) if log_capture("a test's", n, 0.25, "2 slow rows")]
+    assert logged == [*range(1, CAPTURE_LOG_FIRST + 1), *range(CAPTURE_LOG_EVERY, 3 * CAPTURE_LOG_EVERY + 1, CAPTURE_LOG_EVERY)]
+    assert "captured a test's graph 1 (2 slow rows) in 250 ms" in caplog.text

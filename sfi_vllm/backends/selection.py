@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -186,8 +187,28 @@ class SlowStepSelection:
         return entry
 
     def _capture(self, entry: _Entry, body) -> None:
+        t0 = time.perf_counter()
         entry.graph, entry.positions = capture_graph(body)
         self.captures += 1
+        rows, _, _, width = entry.logits.shape
+        log_capture("the per-layer selection's", self.captures, time.perf_counter() - t0,
+                    f"{rows} slow rows, a {width}-token frame")
+
+
+CAPTURE_LOG_FIRST = 20  # captures logged one by one; after them every CAPTURE_LOG_EVERY-th
+CAPTURE_LOG_EVERY = 100
+
+
+def log_capture(what: str, captures: int, seconds: float, shape: str) -> bool:
+    """Log a selection graph's capture made while serving (a pause of the engine: the capture
+    synchronises the device): the first ``CAPTURE_LOG_FIRST`` of each kind, then every
+    ``CAPTURE_LOG_EVERY``-th. ``captures``: this kind's count including this one. Returns whether
+    it logged. The counts are also in ``sfi_cuda_graph_runs_total{how="capture"}``."""
+    if captures > CAPTURE_LOG_FIRST and captures % CAPTURE_LOG_EVERY:
+        return False
+    logger.info("sfi-vllm: captured %s graph %d (%s) in %.0f ms; logged for the first %d and then every "
+                "%d-th", what, captures, shape, seconds * 1e3, CAPTURE_LOG_FIRST, CAPTURE_LOG_EVERY)
+    return True
 
 
 def capture_graph(body, pool=None) -> tuple[Any, Any]:

@@ -36,6 +36,7 @@ its context's keys after its attention through its set.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from sfi_vllm.backends.selection import (
     MAX_GRAPHS,
     SlowStepSelection,
     capture_graph,
+    log_capture,
     top_k_function,
 )
 from sfi_vllm.host_copy import copy_to_device
@@ -393,9 +395,14 @@ class StepRefresh:
             entry.graph.replay()
             self.replays += 1
         elif self._uses.count_use(key):
+            t0 = time.perf_counter()
             entry.graph, _ = capture_graph(body)
             entry.graph.replay()
             self.captures += 1
+            log_capture("the per-step refresh's", self.captures, time.perf_counter() - t0,
+                        f"{R} slow rows, a {width}-token frame, {len(layers)} layers, scores "
+                        f"{'fused' if job.scores is not None else 'from the stage'}, "
+                        f"{len(self._entries)} graphs kept")
         else:
             body()
             self.eager_runs += 1
