@@ -116,12 +116,15 @@ SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_accep
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
-        probe: bool = False, tp: int = 1, spec: dict | None = None) -> list[dict]:
+        probe: bool = False, tp: int = 1, spec: dict | None = None, repeats: int = 1,
+        request_variants: dict[str, dict] | None = None) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
-    pass fills the prefix cache, then per variant (the engine's settings; with ``probe`` also the
-    slow-step probe) a warm-up decode (:func:`warmup_tokens`) compiles what the decode steps need
-    (Triton kernels, SFI's selection graphs for this context), a cached one-token pass times the residual,
-    then the timed run. CUDA-graph capture sizes: :func:`capture_sizes`."""
+    pass fills the prefix cache, then per variant (the engine's settings; ``request_variants``:
+    per-request settings over them, named; with ``probe`` also the slow-step probe) a warm-up
+    decode (:func:`warmup_tokens`) compiles what the decode steps need (Triton kernels, SFI's
+    selection graphs for this context), then ``repeats`` times a cached one-token pass (the
+    residual) and the timed run; each timed run is a result of its own (``repeat`` 1, 2, ...).
+    CUDA-graph capture sizes: :func:`capture_sizes`."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -138,7 +141,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
         kw["speculative_config"] = {"method": "draft_model", "model": model, "rejection_sample_method": "synthetic",
                                     **spec}
     llm = LLM(**kw)
-    variants = {mode: None} | ({f"{mode}_probe": PROBE} if probe else {})
+    variants = ({mode: None} | {name: over for name, over in (request_variants or {}).items()}
+                | ({f"{mode}_probe": PROBE} if probe else {}))
     out = []
     for batch, context in points:
         g = torch.Generator().manual_seed(batch * 7 + context)
@@ -153,41 +157,47 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             full = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **extra)
             llm.generate(prompts, SamplingParams(max_tokens=warmup_tokens(sfi, over, new_tokens), temperature=0,
                                                  ignore_eos=True, **extra), use_tqdm=False)
-            t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
-            before = _stats_totals(llm) if sfi is not None else None
-            reads0 = _token_reads()
-            misses0 = _fused_score_misses()
-            graphs0 = _graph_runs()
-            t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
-            decode_tok = batch * (new_tokens - 1)
-            res = dict(mode=name, batch=batch, context=context, prefill_s=round(t_fill, 2),
-                       cached_first_token_s=round(t_pre, 3), generate_s=round(t_full, 3),
-                       decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
-            if sfi is not None:
-                after = _stats_totals(llm)
-                slow, dec = after[0] - before[0], after[1] - before[1]
-                reads1 = _token_reads()
-                if reads0 is not None and reads1 is not None and reads1[1] > reads0[1]:
-                    # planned steps that read the sampled tokens to the host (a device sync each)
-                    res["token_reads_per_step"] = round((reads1[0] - reads0[0]) / (reads1[1] - reads0[1]), 4)
-                    if len(reads1) > 2:  # boundary_read "lagged": reads whose copy was not done yet
-                        res["token_waits_per_step"] = round((reads1[2] - reads0[2]) / (reads1[1] - reads0[1]), 4)
-                misses1 = _fused_score_misses()
-                if misses0 is not None and misses1 is not None:
-                    # slow steps in a graph whose rows did not fit the fused score buffers
-                    res["fused_score_misses"] = misses1 - misses0
-                # how the selection and the drafter's passes ran in the timed run (captures in it
-                # are pauses that the warm-up did not take)
-                res.update({k: v - graphs0.get(k, 0) for k, v in _graph_runs().items()})
-                if spec is not None:  # tokens per verify step, as the SFI statistics count them
-                    res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
-                                                     / max(after[6] - before[6], 1), 3)
-                res.update(slow_step_rate=round(slow / max(dec, 1), 4),
-                           dense_step_rate=round((after[4] - before[4]) / max(dec, 1), 4),
-                           attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
-            out.append(res)
-            print("RESULT " + json.dumps(res), flush=True)
+            for repeat in range(1, repeats + 1):
+                out.append(_timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat))
     return out
+
+
+def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat) -> dict:
+    """One timed run of a point: the cached one-token pass, then ``full``; the result row."""
+    t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
+    before = _stats_totals(llm) if sfi is not None else None
+    reads0 = _token_reads()
+    misses0 = _fused_score_misses()
+    graphs0 = _graph_runs()
+    t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
+    decode_tok = batch * (new_tokens - 1)
+    res = dict(mode=name, batch=batch, context=context, repeat=repeat, prefill_s=round(t_fill, 2),
+               cached_first_token_s=round(t_pre, 3), generate_s=round(t_full, 3),
+               decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
+    if sfi is not None:
+        after = _stats_totals(llm)
+        slow, dec = after[0] - before[0], after[1] - before[1]
+        reads1 = _token_reads()
+        if reads0 is not None and reads1 is not None and reads1[1] > reads0[1]:
+            # planned steps that read the sampled tokens to the host (a device sync each)
+            res["token_reads_per_step"] = round((reads1[0] - reads0[0]) / (reads1[1] - reads0[1]), 4)
+            if len(reads1) > 2:  # boundary_read "lagged": reads whose copy was not done yet
+                res["token_waits_per_step"] = round((reads1[2] - reads0[2]) / (reads1[1] - reads0[1]), 4)
+        misses1 = _fused_score_misses()
+        if misses0 is not None and misses1 is not None:
+            # slow steps in a graph whose rows did not fit the fused score buffers
+            res["fused_score_misses"] = misses1 - misses0
+        # how the selection and the drafter's passes ran in the timed run (captures in it
+        # are pauses that the warm-up did not take)
+        res.update({k: v - graphs0.get(k, 0) for k, v in _graph_runs().items()})
+        if spec is not None:  # tokens per verify step, as the SFI statistics count them
+            res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
+                                             / max(after[6] - before[6], 1), 3)
+        res.update(slow_step_rate=round(slow / max(dec, 1), 4),
+                   dense_step_rate=round((after[4] - before[4]) / max(dec, 1), 4),
+                   attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
+    print("RESULT " + json.dumps(res), flush=True)
+    return res
 
 
 def capture_sizes(batches: list[int], spec: dict | None) -> list[int]:
@@ -326,10 +336,14 @@ def step_times(row: dict, name: str = "sfi") -> dict:
     b = row["batch"]
     t_dense, t1, t2 = b / row["dense_tok_s"], b / row[f"{name}_tok_s"], b / row[f"{name}_probe_tok_s"]
     r1, r2 = row[f"{name}_slow_step_rate"], row[f"{name}_probe_slow_step_rate"]
+    # the dense bridge's steps (rate d) cost a dense step: t - d x t_dense = (1 - d) t_fast + r x delta
+    d1, d2 = row.get(f"{name}_dense_step_rate", 0.0), row.get(f"{name}_probe_dense_step_rate", 0.0)
     if r2 - r1 < 0.1:
         return {}
-    delta = (t2 - t1) / (r2 - r1)
-    t_fast = t1 - r1 * delta
+    y1, y2 = t1 - d1 * t_dense, t2 - d2 * t_dense
+    det = (1 - d1) * r2 - (1 - d2) * r1
+    t_fast = (y1 * r2 - y2 * r1) / det
+    delta = ((1 - d1) * y2 - (1 - d2) * y1) / det
     t_slow = t_fast + delta
     return dict(dense_step_ms=round(1e3 * t_dense, 3), fast_step_ms=round(1e3 * t_fast, 3),
                 slow_step_ms=round(1e3 * t_slow, 3), slow_vs_dense=round(t_slow / t_dense, 2),
@@ -364,6 +378,12 @@ def main() -> int:
     ap.add_argument("--spec", default=None, metavar="JSON",
                     help="speculative settings of the lossless and spec_dense engines, e.g. "
                     "'{\"num_speculative_tokens\": 4, \"synthetic_acceptance_length\": 4.5}'")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of each point per engine and variant, one after the other on the same "
+                    "engine (each a row of its own, field repeat; the ratios pair the runs of equal repeat)")
+    ap.add_argument("--request-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="per-request SFI settings timed on the sfi engine after its own (repeatable; no "
+                    "engine of their own: only policy fields); figures keyed NAME_* (NAME_ratio, ...)")
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
@@ -384,29 +404,33 @@ def main() -> int:
             MODES[name] = None if over is None else {**MODES["sfi"], **over}
     if args.mode:
         spec = json.loads(args.spec) if args.mode in SPEC_MODES else None
+        request_variants = _named_json(args.request_variant, "--request-variant") if args.mode == "sfi" and \
+            args.name is None else {}
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
             probe=args.slow_probe and MODES[args.mode] is not None and spec is None
             and (args.name is None or args.probe_variants),
-            tp=args.tp, spec=spec)
+            tp=args.tp, spec=spec, repeats=args.repeats, request_variants=request_variants)
         return 0
-    variants = {}
-    for v in args.variant:
-        name, _, spec = v.partition("=")
-        if not name.isidentifier() or name in MODES or not spec:
-            raise SystemExit(f"--variant wants NAME=JSON with a new identifier NAME, got {v!r}")
-        variants[name] = {**json.loads(args.sfi or "{}"), **json.loads(spec)}
-    args.variants = list(variants)
+    variants = {name: {**json.loads(args.sfi or "{}"), **over}
+                for name, over in _named_json(args.variant, "--variant").items()}
+    request_variants = _named_json(args.request_variant, "--request-variant")
+    if set(variants) & set(request_variants):
+        raise SystemExit("--variant and --request-variant names must differ")
+    args.variants = list(variants) + list(request_variants)
     import subprocess
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
     make_model(model)
-    rows = {p: dict(batch=p[0], context=p[1], tp=args.tp, **attention_times(*p)) for p in points}
-    if args.sfi:
-        for row in rows.values():
+    keys = [(*p, r) for p in points for r in range(1, args.repeats + 1)]
+    timings = {p: attention_times(*p) for p in points}
+    rows = {k: dict(batch=k[0], context=k[1], repeat=k[2], tp=args.tp, **timings[k[:2]]) for k in keys}
+    for row in rows.values():
+        if args.sfi:
             row["sfi_overrides"] = json.loads(args.sfi)
-    for p in points:
-        print(json.dumps(rows[p]), flush=True)
+        row.update({f"{name}_overrides": over for name, over in request_variants.items()})
+    for k in keys:
+        print(json.dumps(rows[k]), flush=True)
     modes = args.modes.split(",") if args.modes else ["dense", "sfi"]
     for mode in modes:
         if mode in SPEC_MODES and not args.spec:
@@ -422,27 +446,51 @@ def main() -> int:
                    ["--name", mode] if mode in variants else []) + (
                    ["--slow-probe"] if args.slow_probe else []) + (
                    ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)] + (
-                   ["--spec", args.spec] if args.spec else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        for r in results:
-            row = rows[(r["batch"], r["context"])]
-            name = r["mode"]
-            row[f"{name}_tok_s"] = r["decode_tok_s"]
-            row.update({f"{name}_{k}": v for k, v in r.items() if k not in ("decode_tok_s", "batch", "context", "mode")})
-        if len({(r["batch"], r["context"]) for r in results}) < len(points):
-            err = (proc.stdout + proc.stderr)[-3000:]
+                   ["--spec", args.spec] if args.spec else []) + ["--repeats", str(args.repeats)] + [
+                   a for v in (args.request_variant if mode == "sfi" else []) for a in ("--request-variant", v)]
+        # the engine's own log (captures, compilations, warnings) beside the results; its results
+        # are written as they come, so that a run cut short keeps what it measured
+        log_path = Path(args.out) / f"e2e-h200{args.tag}-{mode}.log"
+        done = set()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for line in proc.stdout:
+                log.write(line)
+                if not line.startswith("RESULT "):
+                    continue
+                r = json.loads(line[7:])
+                done.add((r["batch"], r["context"], r["repeat"], r["mode"]))
+                row = rows[(r["batch"], r["context"], r["repeat"])]
+                name = r["mode"]
+                row[f"{name}_tok_s"] = r["decode_tok_s"]
+                row.update({f"{name}_{k}": v for k, v in r.items()
+                            if k not in ("decode_tok_s", "batch", "context", "mode", "repeat")})
+                _write(args, keys, rows, quiet=True)
+            proc.wait()
+        if len({d[:3] for d in done}) < len(keys):
+            err = log_path.read_text()[-3000:]
             print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
-            for p in points:
-                rows[p].setdefault(f"{mode}_error", err[-600:])
-        _write(args, points, rows)  # after every engine: a run cut short keeps what it measured
+            for k in keys:
+                rows[k].setdefault(f"{mode}_error", err[-600:])
+        _write(args, keys, rows)
     return 0
 
 
-def _write(args, points, rows) -> None:
+def _named_json(values: list[str], flag: str) -> dict[str, dict]:
+    """``NAME=JSON`` arguments -> {NAME: settings}; NAME a new identifier."""
+    out = {}
+    for v in values:
+        name, _, text = v.partition("=")
+        if not name.isidentifier() or name in MODES or name in out or not text:
+            raise SystemExit(f"{flag} wants NAME=JSON with a new identifier NAME, got {v!r}")
+        out[name] = json.loads(text)
+    return out
+
+
+def _write(args, keys, rows, quiet: bool = False) -> None:
     out = []
-    for p in points:
-        row = rows[p]
+    for key in keys:
+        row = rows[key]
         if "dense_tok_s" in row and "sfi_tok_s" in row:
             row["ratio"] = round(row["sfi_tok_s"] / row["dense_tok_s"], 2)
             row["slow_step_rate"] = row["sfi_slow_step_rate"]
@@ -455,7 +503,8 @@ def _write(args, points, rows) -> None:
                 if f"{name}_probe_tok_s" in row:
                     row.update({f"{name}_{k}": v for k, v in step_times(row, name).items() if k != "dense_step_ms"})
         out.append(row)
-        print(json.dumps(row), flush=True)
+        if not quiet:
+            print(json.dumps(row), flush=True)
     with open(Path(args.out) / f"e2e-h200{args.tag}.jsonl", "w") as f:
         for r in out:
             f.write(json.dumps(r) + "\n")

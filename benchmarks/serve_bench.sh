@@ -48,10 +48,12 @@ wait_health() {
 
 for MODE in ${MODES:-dense sfi}; do
   LOG="$OUT/serve-bench-$SET-$MODE.log"
-  EXTRA=()
+  # every Triton compilation after the warm-up at start-up is logged (vLLM's JIT monitor, verbose):
+  # a compilation in the timed pass is a pause
+  EXTRA=(--jit-monitor-verbose)
   if [ "$MODE" = sfi ]; then
     export PROMETHEUS_MULTIPROC_DIR=$(mktemp -d)
-    EXTRA=(--attention-backend sfi --additional-config "$SFI_ARGS")
+    EXTRA+=(--attention-backend sfi --additional-config "$SFI_ARGS")
   fi
   t0=$(date +%s)
   python3 -m vllm.entrypoints.openai.api_server --model $M --port $PORT --seed 0 "${SERVE_ARGS[@]}" \
@@ -77,6 +79,8 @@ for MODE in ${MODES:-dense sfi}; do
   fi
   kill $SERVER; wait $SERVER 2>/dev/null
   grep -E "throughput|sfi-vllm" "$LOG" | grep -v -i warning | tail -12
+  echo "$MODE: $(grep -c 'kernel JIT compilation during inference' "$LOG") Triton compilations after start-up," \
+    "$(grep -c 'sfi-vllm: captured' "$LOG") selection-graph captures logged (full log: $LOG)"
   if [ "$MODE" = sfi ]; then rm -rf "$PROMETHEUS_MULTIPROC_DIR"; unset PROMETHEUS_MULTIPROC_DIR; fi
 done
 python3 - "$OUT" "$SET" <<'EOF'
