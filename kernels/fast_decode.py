@@ -97,7 +97,7 @@ def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, strid
         tl.store(nm_row + pos, tl.sqrt(tl.sum(k2 * k2, 1)), mask=nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "stride_btb"])  # values that change with the batch
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer,

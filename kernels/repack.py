@@ -53,7 +53,8 @@ def repack(key_cache, value_cache, block_table, slots, positions, num_positions,
     )
 
 
-@triton.jit
+# values that change with the batch (rows, selection size, sinks): no compiled variant each
+@triton.jit(do_not_specialize=["stride_btb", "stride_sb", "stride_sh", "stride_meta", "sinks"])
 def _repack_selected(KC, VC, BT, SEL, META, CK, CV, LEN, WSD, MAP,
                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
                      stride_sb, stride_sh, stride_meta, stride_cks, stride_ckh, stride_ckn,

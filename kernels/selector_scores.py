@@ -222,7 +222,7 @@ def _stats_lambda(POOL, NORMS, N, MR, SR, TOT, NUM, DEN,
     tl.store(DEN + pid * nsp + sp, den)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nsp"])  # the split count changes with the batch (S_PAD bounds it)
 def _stats_finish(MR, SR, TOT, NUM, DEN, STATS, nsp, lam_max,
                   S_PAD: tl.constexpr, USE_PRIOR: tl.constexpr):
     """Merges the splits into the three scalars per (row, head) that ``_fused_log_s`` reads."""

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])  # the block table's width changes with the batch
 def _slow_scores(Q, KC, BT, SEQ, LOGITS, NORMS,
                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                  stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,

@@ -79,9 +79,33 @@ def test_padded_tables_have_empty_padding_rows_at_fixed_addresses():
     assert b._row_tables[0, :3].tolist() == [5] * 3  # the real rows' tables are uniform_tables'
     assert torch.equal(out.block_table, storage[:6])
     assert ctl.draft_graph == (6, (b._graph_seq_lens.data_ptr(), storage.data_ptr(), b._row_tables.data_ptr()))
-    # more rows than the tables or the block table hold: the tables stay as they were, no graph
+    # more rows than the row tables hold: the tables stay as they were, no graph
     ctl.draft_graph = None
     assert b._graph_tables(tables, cam, 9) is tables and ctl.draft_graph is None
+
+
+def test_a_padded_batch_past_vllms_block_table_reads_a_copy_of_its_own():
+    """8 rows of vLLM's block table (max_num_seqs 8), a drafter batch padded to 10 rows: the graph
+    reads the builder's own table, the real rows copied and the padding rows zero, at an address
+    that stays while the size does."""
+    from sfi_vllm.backends.common import FastRows
+
+    ctl = _controller()
+    b = _builder(ctl, rows=12)
+    b._graph_block_table = None
+    storage = torch.arange(8 * 4, dtype=torch.int32).view(8, 4) + 1
+    cam = SimpleNamespace(num_reqs=8, seq_lens=torch.arange(1, 9, dtype=torch.int32) * 100, block_table_tensor=storage)
+    tables = FastRows(rows=8, slot=b._row_tables[0], min_window_start=b._row_tables[1],
+                      seq_lens=cam.seq_lens, block_table=storage)
+    out = b._graph_tables(tables, cam, 10)
+    assert out.rows == 10 and out.block_table.shape == (10, 4)
+    assert torch.equal(out.block_table[:8], storage) and not out.block_table[8:].any()
+    assert out.seq_lens[8:10].tolist() == [0, 0]
+    address = out.block_table.data_ptr()
+    assert address != storage.data_ptr() and ctl.draft_graph[1][1] == address
+    storage += 100  # the next step's tables: copied again, same address
+    out = b._graph_tables(tables, cam, 10)
+    assert out.block_table.data_ptr() == address and torch.equal(out.block_table[:8], storage)
 
 
 def test_the_wrapper_warms_each_size_piecewise_then_falls_back_when_capture_fails(monkeypatch):

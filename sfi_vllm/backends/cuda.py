@@ -152,6 +152,8 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         cfg = self.controller.cfg
         self._graph_seq_lens = (torch.zeros(rows, dtype=torch.int32, device=device)
                                 if cfg.mode == "lossless" and cfg.drafter_graphs else None)
+        # ... and their block table when the padded batch has more rows than vLLM's holds
+        self._graph_block_table: torch.Tensor | None = None
 
     def _build_uniform(self, meta, cam, plan, graph_rows: int | None = None) -> bool:
         if not self._uniform_ok or cam.max_query_len != 1 or (plan is not None and plan.needs_eager):
@@ -170,18 +172,31 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
     def _graph_tables(self, tables: FastRows, cam, rows: int) -> FastRows:
         """A drafter pass run as a full CUDA graph of ``rows`` (padded) rows: tables for every row,
         the padding rows empty (no compact set, no keys), at addresses that do not move from step
-        to step; reported in ``controller.draft_graph`` (the graph wrapper replays only then)."""
+        to step; reported in ``controller.draft_graph`` (the graph wrapper replays only then).
+
+        The block table is vLLM's own where it holds ``rows`` rows. vLLM's holds ``max_num_seqs``
+        rows, and the drafter's batch is padded to a multiple of ``num_speculative_tokens + 1``
+        (8 rows to 10 with 4 draft tokens): past it the builder copies the table into one of its
+        own (padding rows zero, read by no key since their lengths are zero)."""
         n = cam.num_reqs
         bt = cam.block_table_tensor
-        storage_rows = (bt.untyped_storage().nbytes() // bt.element_size() - bt.storage_offset()) // bt.stride(0)
-        if not n <= rows <= min(self._row_tables.shape[1], storage_rows):
+        if not n <= rows <= self._row_tables.shape[1]:
             return tables
+        storage_rows = (bt.untyped_storage().nbytes() // bt.element_size() - bt.storage_offset()) // bt.stride(0)
+        if rows <= storage_rows:
+            block_table = bt.as_strided((rows, bt.shape[1]), bt.stride())
+        else:
+            own = self._graph_block_table
+            if own is None or own.shape[0] < rows or own.shape[1] != bt.shape[1] or own.device != bt.device:
+                own = self._graph_block_table = torch.zeros(rows, bt.shape[1], dtype=bt.dtype, device=bt.device)
+            own[:n].copy_(bt[:n])
+            own[n:rows].zero_()
+            block_table = own[:rows]
         self._graph_seq_lens[:n].copy_(cam.seq_lens[:n])
         self._graph_seq_lens[n:rows].zero_()
         self._row_tables[0, n:rows] = -1
         self._row_tables[1, n:rows] = 0
-        block_table = bt.as_strided((rows, bt.shape[1]), bt.stride())
-        self.controller.draft_graph = (rows, (self._graph_seq_lens.data_ptr(), bt.data_ptr(),
+        self.controller.draft_graph = (rows, (self._graph_seq_lens.data_ptr(), block_table.data_ptr(),
                                               self._row_tables.data_ptr()))
         return FastRows(rows=rows, slot=tables.slot, min_window_start=tables.min_window_start,
                         seq_lens=self._graph_seq_lens, block_table=block_table, scores=tables.scores)

@@ -66,6 +66,10 @@ def install_for(controller) -> None:
     controller through :func:`current_controller`, so installing once serves every engine."""
     install()
     cfg = controller.cfg
+    if torch.cuda.is_available() and cfg.kernels != "torch":
+        from sfi_vllm.patches import kernel_warmup
+
+        kernel_warmup.install()
     if cfg.mode == "lossless" and cfg.drafter_graphs:
         from sfi_vllm.patches import drafter_graphs
 

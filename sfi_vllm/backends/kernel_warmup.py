@@ -1,0 +1,137 @@
+"""Compile, at start-up, the Triton kernels that SFI's eager steps launch, so that serving does not.
+
+Triton compiles a kernel the first time it meets a new set of compile-time constants, which takes
+about a second with the host blocked. vLLM's CUDA-graph capture compiles what decode-only steps
+use (the uniform launch, the refresh graphs' first runs happen later, see below). Steps that
+carry a prefill chunk run eagerly, and there the constants follow the batch: the fast-step
+kernel's split count (:func:`~sfi_vllm.kernels.fast_decode.default_num_splits`, a power of two up
+to 64) and the Selector's statistics splits (``S_PAD``, the next power of two of
+:func:`~sfi_vllm.kernels.selector_scores.stat_splits`). On the H200 a serving benchmark without
+this warm-up logged 19 compilations in its timed pass, each a pause of 0.5-1.2 s felt by every
+running request (``benchmarks/results/serve-bench-qwen-h200.md``).
+
+:func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the
+fast-step kernel and its merge at every eager split count, the slow-step score kernel, the
+Selector's kernels at every statistics pad with the engine's Selector settings, and the repack
+kernel. It reads the layer's real KV cache (block 0, through its own block table) and writes
+only buffers of its own. Integer arguments that change with the batch (the layer index, row
+strides, split counts) are marked ``do_not_specialize`` in the kernels, so that a value's
+divisibility by 16 does not make a variant of its own.
+
+Not covered: Selector settings that a request changes (its own ``selector`` fields are
+compile-time constants; the first such request compiles them), and other page sizes or dtypes
+than the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("sfi_vllm")
+
+# the fast-step kernel's split counts on the eager path: default_num_splits rounds down to a power
+# of two and caps at 64
+EAGER_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """What a layer's kernels are compiled for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+
+
+def selector_split_counts(max_splits: int | None = None) -> tuple[int, ...]:
+    """Statistics split counts whose pads (``max(2, next_power_of_two(n))``) cover every pad that
+    :func:`~sfi_vllm.kernels.selector_scores.stat_splits` can give."""
+    from sfi_vllm.kernels.selector_scores import MAX_SPLITS
+
+    top = MAX_SPLITS if max_splits is None else max_splits
+    out, n = [], 2
+    while n <= top:
+        out.append(n)
+        n *= 2
+    return tuple(out)
+
+
+def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          cfg, splits: tuple[int, ...] = EAGER_SPLITS,
+                          selector_splits: tuple[int, ...] | None = None) -> list[str]:
+    """Launch each eager configuration once (module doc). ``key_cache`` / ``value_cache``: one
+    layer's ``(num_blocks, page, Hkv, D)`` views (read: block 0 only); ``cfg``: the engine's
+    :class:`~sfi_vllm.config.SFIConfig`. Returns what it launched, one entry per configuration."""
+    from sfi_vllm.backends.selection import WIDTH_BUCKET
+    from sfi_vllm.kernels.fast_decode import fast_decode_attention
+    from sfi_vllm.kernels.repack import repack_selected
+    from sfi_vllm.kernels.selector_scores import selector_scores
+    from sfi_vllm.kernels.slow_scores import slow_step_scores
+
+    hq, hkv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_size
+    g = hq // hkv
+    dev, dtype = key_cache.device, key_cache.dtype
+    page = key_cache.shape[1]
+    i32 = dict(dtype=torch.int32, device=dev)
+    done: list[str] = []
+
+    # the fast-step kernel, one row of 16 tokens, at every eager split count
+    q = torch.randn(1, hq, d, dtype=dtype, device=dev)
+    compact = torch.zeros(1, hkv, page, d, dtype=dtype, device=dev)
+    block_table = torch.zeros(1, 1, **i32)
+    zero = torch.zeros(1, **i32)
+    seq = torch.full((1,), page, **i32)
+    for n in splits:
+        fast_decode_attention(q, compact, compact, key_cache, value_cache, block_table, zero, zero, seq,
+                              zero, zero, geometry.scale, n, slot_map=zero)
+        done.append(f"fast_decode splits={n}")
+
+    # the slow-step scores over one frame
+    width = WIDTH_BUCKET
+    logits, norms = slow_step_scores(q, key_cache, block_table, seq, width, geometry.scale)
+    done.append("slow_scores")
+
+    # the Selector at every statistics pad: a frame wide enough for n splits, and target_programs
+    # set so that stat_splits gives n
+    lo = cfg.sinks
+    fused_selector = cfg.selector.smooth_kernel <= 1  # else the torch Selector serves (no kernels)
+    for n in (selector_splits if selector_splits is not None else selector_split_counts()) if fused_selector else ():
+        frame = -(-(n * 1024 + lo) // WIDTH_BUCKET) * WIDTH_BUCKET
+        lg = torch.randn(1, hkv, g, frame, dtype=torch.float32, device=dev)
+        nm = torch.ones(1, hkv, frame, dtype=torch.float32, device=dev)
+        count = torch.full((1,), float(frame - lo), dtype=torch.float32, device=dev)
+        selector_scores(cfg.selector, lg, nm, lo, count, target_programs=n * hkv)
+        done.append(f"selector_scores splits={n}")
+
+    # the repack of sinks + a selection into a set of its own, with and without the publish
+    k = page
+    selected = torch.arange(lo, lo + k, **i32).expand(1, hkv, k).contiguous()
+    meta = torch.tensor([[0], [lo + k], [0], [0]], **i32)
+    out_k = torch.empty(1, hkv, lo + k, d, dtype=dtype, device=dev)
+    out_v = torch.empty_like(out_k)
+    length, window, slot_map = torch.zeros(1, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
+    blocks = -(-(lo + k) // page)
+    table = torch.zeros(1, blocks, **i32)
+    for publish in (True, False):
+        repack_selected(key_cache, value_cache, table, selected, lo, meta, out_k, out_v, length, window,
+                        slot_map, publish=publish)
+        done.append(f"repack_selected publish={publish}")
+    return done
+
+
+def warm_up_layer(impl, kv_cache: torch.Tensor, cfg) -> tuple[list[str], float]:
+    """:func:`warm_up_eager_kernels` for one SFI attention layer (``impl``: its
+    :class:`~sfi_vllm.backends.cuda.SFIFlashImpl`) and its bound KV cache; the device synchronised
+    before the time is taken. Returns (what it launched, seconds)."""
+    t0 = time.perf_counter()
+    key_cache, value_cache = impl._paged(kv_cache).nhd_views()
+    geometry = LayerGeometry(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale))
+    done = warm_up_eager_kernels(geometry, key_cache, value_cache, cfg)
+    if key_cache.is_cuda:
+        torch.cuda.synchronize(key_cache.device)
+    return done, time.perf_counter() - t0
