@@ -422,16 +422,17 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).parent))
     make_model(model)
+    modes = args.modes.split(",") if args.modes else ["dense", "sfi"]
     keys = [(*p, r) for p in points for r in range(1, args.repeats + 1)]
     timings = {p: attention_times(*p) for p in points}
     rows = {k: dict(batch=k[0], context=k[1], repeat=k[2], tp=args.tp, **timings[k[:2]]) for k in keys}
     for row in rows.values():
         if args.sfi:
             row["sfi_overrides"] = json.loads(args.sfi)
-        row.update({f"{name}_overrides": over for name, over in request_variants.items()})
+        if "sfi" in modes:
+            row.update({f"{name}_overrides": over for name, over in request_variants.items()})
     for k in keys:
         print(json.dumps(rows[k]), flush=True)
-    modes = args.modes.split(",") if args.modes else ["dense", "sfi"]
     for mode in modes:
         if mode in SPEC_MODES and not args.spec:
             raise SystemExit(f"mode {mode!r} needs --spec (its speculative settings)")
@@ -454,20 +455,31 @@ def main() -> int:
         done = set()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for line in proc.stdout:
-                log.write(line)
-                if not line.startswith("RESULT "):
-                    continue
-                r = json.loads(line[7:])
-                done.add((r["batch"], r["context"], r["repeat"], r["mode"]))
-                row = rows[(r["batch"], r["context"], r["repeat"])]
-                name = r["mode"]
-                row[f"{name}_tok_s"] = r["decode_tok_s"]
-                row.update({f"{name}_{k}": v for k, v in r.items()
-                            if k not in ("decode_tok_s", "batch", "context", "mode", "repeat")})
-                _write(args, keys, rows, quiet=True)
-            proc.wait()
-        if len({d[:3] for d in done}) < len(keys):
+            try:
+                for line in proc.stdout:
+                    log.write(line)
+                    if not line.startswith("RESULT "):
+                        continue
+                    r = json.loads(line[7:])
+                    done.add((r["batch"], r["context"], r["repeat"], r["mode"]))
+                    row = rows[(r["batch"], r["context"], r["repeat"])]
+                    name = r["mode"]
+                    row[f"{name}_tok_s"] = r["decode_tok_s"]
+                    row.update({f"{name}_{k}": v for k, v in r.items()
+                                if k not in ("decode_tok_s", "batch", "context", "mode", "repeat")})
+                    _write(args, keys, rows, quiet=True)
+                proc.wait()
+            finally:
+                if proc.poll() is None:  # this process failed while reading: do not leave the engine running
+                    proc.kill()
+                    proc.wait()
+        # every point and repeat of the engine's own settings, its request variants and its probe
+        names = {mode}
+        if mode == "sfi":
+            names |= set(request_variants) | ({"sfi_probe"} if args.slow_probe else set())
+        elif mode in variants and args.slow_probe and args.probe_variants:
+            names.add(f"{mode}_probe")
+        if proc.returncode != 0 or len(done) < len(keys) * len(names):
             err = log_path.read_text()[-3000:]
             print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
             for k in keys:
@@ -481,8 +493,8 @@ def _named_json(values: list[str], flag: str) -> dict[str, dict]:
     out = {}
     for v in values:
         name, _, text = v.partition("=")
-        if not name.isidentifier() or name in MODES or name in out or not text:
-            raise SystemExit(f"{flag} wants NAME=JSON with a new identifier NAME, got {v!r}")
+        if not name.isidentifier() or name in MODES or name in out or name.endswith("_probe") or not text:
+            raise SystemExit(f"{flag} wants NAME=JSON with a new identifier NAME (not ending in _probe), got {v!r}")
         out[name] = json.loads(text)
     return out
 

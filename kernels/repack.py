@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# values that change with the batch (selection size): no compiled variant each
+@triton.jit(do_not_specialize=["stride_btb", "stride_pb", "stride_ph"])
 def _repack(KC, VC, BT, SLOT, POS, NPOS, CK, CV,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
             stride_pb, stride_ph, stride_cks, stride_ckh, stride_ckn,

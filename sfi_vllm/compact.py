@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from sfi_vllm.config import SFIConfig
-from sfi_vllm.host_copy import tensor_to_device
+from sfi_vllm.host_copy import rows_to_device
 from sfi_vllm.paged_kv import PagedKV
 
 
@@ -214,7 +214,7 @@ class PackedCompactBuffer:
         key = ("pack_meta", tuple(targets), tuple(counts), tuple(window_starts), tuple(slots))
         meta = cache.get(key) if cache is not None else None
         if meta is None:
-            meta = tensor_to_device([targets, counts, window_starts, slots], dev, torch.int32)
+            meta = rows_to_device([targets, counts, window_starts, slots], dev)  # rows 16-byte aligned
             if cache is not None:
                 cache[key] = meta
         key_cache, value_cache = paged.nhd_views()

@@ -28,6 +28,20 @@ def tensor_to_device(values: Sequence, device: torch.device | str, dtype: torch.
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def rows_to_device(rows: Sequence[Sequence[int]], device: torch.device | str,
+                   dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """:func:`to_device` of ``rows`` (equal lengths ``n``) as a ``(len(rows), n)`` view whose every
+    row starts 16 bytes aligned: the columns are padded, then cut back to ``n``. A kernel that
+    takes ``table[i]`` as a pointer then compiles one variant, whatever ``n`` is (Triton
+    specialises pointer arguments on 16-byte alignment)."""
+    n = len(rows[0]) if rows else 0
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    host = torch.zeros(len(rows), max(per, -(-n // per) * per), dtype=dtype)
+    if n:
+        host[:, :n] = torch.tensor(rows, dtype=dtype)
+    return to_device(host, device)[:, :n]
+
+
 def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` from a host tensor without a host wait (``dst`` on any device)."""
     if dst.device.type != "cuda":

@@ -28,7 +28,7 @@ import torch
 from sfi_vllm.attention_ref import attention_probs, fast_step_attention
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, RowGeometry
 from sfi_vllm.controller import SFIController, StepPlan
-from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
+from sfi_vllm.host_copy import copy_to_device, rows_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.selector import Selector
 from sfi_vllm.trigger import StepMode
@@ -264,9 +264,9 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
             ws = RowGeometry.at(plan.configs[r], ctx).window_start  # where the window was at that token
         slots.append(slot)
         min_ws.append(ws)
-    host = torch.tensor([slots, min_ws, contexts, tokens], dtype=torch.int32)
     dev = cam.seq_lens.device
-    tables = to_device(host, dev)
+    # each row 16-byte aligned: the fast-step kernel compiles one variant whatever the row count
+    tables = rows_to_device([slots, min_ws, contexts, tokens], dev)
     idx = _to_device(entry_rows, dev)
     padding = [u for r in rows if step.row_end is not None
                for u in range(step.row_token[r] + 1, step.row_end[r])]

@@ -186,9 +186,10 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         if rows <= storage_rows:
             block_table = bt.as_strided((rows, bt.shape[1]), bt.stride())
         else:
-            own = self._graph_block_table
-            if own is None or own.shape[0] < rows or own.shape[1] != bt.shape[1] or own.device != bt.device:
-                own = self._graph_block_table = torch.zeros(rows, bt.shape[1], dtype=bt.dtype, device=bt.device)
+            own = self._graph_block_table  # as many rows as the row tables: its address stays
+            if own is None or own.shape[1] != bt.shape[1] or own.device != bt.device:
+                own = self._graph_block_table = torch.zeros(self._row_tables.shape[1], bt.shape[1], dtype=bt.dtype,
+                                                            device=bt.device)
             own[:n].copy_(bt[:n])
             own[n:rows].zero_()
             block_table = own[:rows]

@@ -1,26 +1,29 @@
 """Compile, at start-up, the Triton kernels that SFI's eager steps launch, so that serving does not.
 
-Triton compiles a kernel the first time it meets a new set of compile-time constants, which takes
-about a second with the host blocked. vLLM's CUDA-graph capture compiles what decode-only steps
-use (the uniform launch, the refresh graphs' first runs happen later, see below). Steps that
-carry a prefill chunk run eagerly, and there the constants follow the batch: the fast-step
-kernel's split count (:func:`~sfi_vllm.kernels.fast_decode.default_num_splits`, a power of two up
-to 64) and the Selector's statistics splits (``S_PAD``, the next power of two of
-:func:`~sfi_vllm.kernels.selector_scores.stat_splits`). On the H200 a serving benchmark without
-this warm-up logged 19 compilations in its timed pass, each a pause of 0.5-1.2 s felt by every
+Triton compiles a kernel the first time it meets a new set of compile-time constants (and of
+integer and pointer specialisations: an integer equal to 1 or a multiple of 16, a pointer 16-byte
+aligned), which takes about a second with the host blocked. With FULL CUDA graphs (vLLM's default
+on the GPU) the capture at start-up compiles what decode-only steps use. Steps that carry a
+prefill chunk run eagerly, and there the constants follow the batch: the fast-step kernel's split
+count (:func:`~sfi_vllm.kernels.fast_decode.default_num_splits`, a power of two up to 64) and the
+Selector's statistics splits (``S_PAD``, the next power of two of
+:func:`~sfi_vllm.kernels.selector_scores.stat_splits`). On the H200 a serving benchmark logged 19
+compilations after start-up, 10 of them in its timed pass, each a pause of 0.5-1.5 s felt by every
 running request (``benchmarks/results/serve-bench-qwen-h200.md``).
 
 :func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the
 fast-step kernel and its merge at every eager split count, the slow-step score kernel, the
-Selector's kernels at every statistics pad with the engine's Selector settings, and the repack
-kernel. It reads the layer's real KV cache (block 0, through its own block table) and writes
-only buffers of its own. Integer arguments that change with the batch (the layer index, row
-strides, split counts) are marked ``do_not_specialize`` in the kernels, so that a value's
-divisibility by 16 does not make a variant of its own.
+Selector's kernels at every statistics pad with the engine's Selector settings, and both repack
+kernels. It reads the layer's real KV cache (block 0, through its own block table) and writes
+only buffers of its own. What else made variants is kept from varying: integer arguments that
+change with the batch (row strides, selection sizes, split counts) are ``do_not_specialize`` in
+the kernels, and the per-step host tables whose rows the kernels take as pointers are laid out
+with every row 16-byte aligned (:func:`sfi_vllm.host_copy.rows_to_device`).
 
 Not covered: Selector settings that a request changes (its own ``selector`` fields are
-compile-time constants; the first such request compiles them), and other page sizes or dtypes
-than the engine's.
+compile-time constants; the first such request compiles them), other page sizes or dtypes than
+the first SFI layer's, and the uniform launch's split counts when it runs without FULL graphs
+(``--enforce-eager``, or a drafter pass in piecewise graphs): each new batch size compiles there.
 """
 
 from __future__ import annotations
@@ -63,13 +66,16 @@ def selector_split_counts(max_splits: int | None = None) -> tuple[int, ...]:
 
 def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           cfg, splits: tuple[int, ...] = EAGER_SPLITS,
-                          selector_splits: tuple[int, ...] | None = None) -> list[str]:
+                          selector_splits: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
     """Launch each eager configuration once (module doc). ``key_cache`` / ``value_cache``: one
     layer's ``(num_blocks, page, Hkv, D)`` views (read: block 0 only); ``cfg``: the engine's
-    :class:`~sfi_vllm.config.SFIConfig`. Returns what it launched, one entry per configuration."""
+    :class:`~sfi_vllm.config.SFIConfig`. Returns ``(launched, failed)``, one entry per
+    configuration; a configuration that fails (its exception in the entry) does not stop the
+    others."""
     from sfi_vllm.backends.selection import WIDTH_BUCKET
+    from sfi_vllm.host_copy import rows_to_device
     from sfi_vllm.kernels.fast_decode import fast_decode_attention
-    from sfi_vllm.kernels.repack import repack_selected
+    from sfi_vllm.kernels.repack import repack, repack_selected
     from sfi_vllm.kernels.selector_scores import selector_scores
     from sfi_vllm.kernels.slow_scores import slow_step_scores
 
@@ -79,6 +85,15 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
     page = key_cache.shape[1]
     i32 = dict(dtype=torch.int32, device=dev)
     done: list[str] = []
+    failed: list[str] = []
+
+    def launch(name: str, run) -> None:
+        try:
+            run()
+        except Exception as e:  # the others still run; the caller reports the failures
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+        else:
+            done.append(name)
 
     # the fast-step kernel, one row of 16 tokens, at every eager split count
     q = torch.randn(1, hq, d, dtype=dtype, device=dev)
@@ -87,14 +102,12 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
     zero = torch.zeros(1, **i32)
     seq = torch.full((1,), page, **i32)
     for n in splits:
-        fast_decode_attention(q, compact, compact, key_cache, value_cache, block_table, zero, zero, seq,
-                              zero, zero, geometry.scale, n, slot_map=zero)
-        done.append(f"fast_decode splits={n}")
+        launch(f"fast_decode splits={n}", lambda n=n: fast_decode_attention(
+            q, compact, compact, key_cache, value_cache, block_table, zero, zero, seq, zero, zero,
+            geometry.scale, n, slot_map=zero))
 
     # the slow-step scores over one frame
-    width = WIDTH_BUCKET
-    logits, norms = slow_step_scores(q, key_cache, block_table, seq, width, geometry.scale)
-    done.append("slow_scores")
+    launch("slow_scores", lambda: slow_step_scores(q, key_cache, block_table, seq, WIDTH_BUCKET, geometry.scale))
 
     # the Selector at every statistics pad: a frame wide enough for n splits, and target_programs
     # set so that stat_splits gives n
@@ -105,33 +118,35 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
         lg = torch.randn(1, hkv, g, frame, dtype=torch.float32, device=dev)
         nm = torch.ones(1, hkv, frame, dtype=torch.float32, device=dev)
         count = torch.full((1,), float(frame - lo), dtype=torch.float32, device=dev)
-        selector_scores(cfg.selector, lg, nm, lo, count, target_programs=n * hkv)
-        done.append(f"selector_scores splits={n}")
+        launch(f"selector_scores splits={n}", lambda lg=lg, nm=nm, count=count, n=n: selector_scores(
+            cfg.selector, lg, nm, lo, count, target_programs=n * hkv))
 
-    # the repack of sinks + a selection into a set of its own, with and without the publish
+    # the repacks of sinks + a selection into a set of their own: the per-step refresh's (int64
+    # positions from the top-K, with and without the publish) and the per-layer path's
     k = page
-    selected = torch.arange(lo, lo + k, **i32).expand(1, hkv, k).contiguous()
-    meta = torch.tensor([[0], [lo + k], [0], [0]], **i32)
+    selected = torch.arange(lo, lo + k, dtype=torch.long, device=dev).expand(1, hkv, k).contiguous()
+    meta = rows_to_device([[0], [lo + k], [0], [0]], dev)
     out_k = torch.empty(1, hkv, lo + k, d, dtype=dtype, device=dev)
     out_v = torch.empty_like(out_k)
     length, window, slot_map = torch.zeros(1, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
-    blocks = -(-(lo + k) // page)
-    table = torch.zeros(1, blocks, **i32)
+    table = torch.zeros(1, -(-(lo + k) // page), **i32)
     for publish in (True, False):
-        repack_selected(key_cache, value_cache, table, selected, lo, meta, out_k, out_v, length, window,
-                        slot_map, publish=publish)
-        done.append(f"repack_selected publish={publish}")
-    return done
+        launch(f"repack_selected publish={publish}", lambda publish=publish: repack_selected(
+            key_cache, value_cache, table, selected, lo, meta, out_k, out_v, length, window, slot_map,
+            publish=publish))
+    positions = torch.cat([torch.arange(lo, **i32).expand(1, hkv, lo), selected.to(torch.int32)], dim=2).contiguous()
+    launch("repack", lambda: repack(key_cache, value_cache, table, meta[0], positions, meta[1], out_k, out_v))
+    return done, failed
 
 
-def warm_up_layer(impl, kv_cache: torch.Tensor, cfg) -> tuple[list[str], float]:
+def warm_up_layer(impl, kv_cache: torch.Tensor, cfg) -> tuple[list[str], list[str], float]:
     """:func:`warm_up_eager_kernels` for one SFI attention layer (``impl``: its
     :class:`~sfi_vllm.backends.cuda.SFIFlashImpl`) and its bound KV cache; the device synchronised
-    before the time is taken. Returns (what it launched, seconds)."""
+    before the time is taken. Returns (launched, failed, seconds)."""
     t0 = time.perf_counter()
     key_cache, value_cache = impl._paged(kv_cache).nhd_views()
     geometry = LayerGeometry(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale))
-    done = warm_up_eager_kernels(geometry, key_cache, value_cache, cfg)
+    done, failed = warm_up_eager_kernels(geometry, key_cache, value_cache, cfg)
     if key_cache.is_cuda:
         torch.cuda.synchronize(key_cache.device)
-    return done, time.perf_counter() - t0
+    return done, failed, time.perf_counter() - t0

@@ -8,8 +8,8 @@ both). Attention backends get no warm-up hook of their own.
 
 Patched (vLLM 0.26.0, the CUDA worker ``vllm.v1.worker.gpu_worker``): its module-level name
 ``kernel_warmup``, wrapped so that vLLM's warm-up runs first and SFI's follows, for the first SFI
-layer of the worker's model that runs the Triton kernels. A failure is logged as a warning (the
-kernels then compile when first used, one pause each) and start-up goes on.
+layer of the worker's model that runs the Triton kernels. A failure is logged as a warning, per
+configuration (those kernels then compile when first used, one pause each), and start-up goes on.
 """
 
 from __future__ import annotations
@@ -54,11 +54,14 @@ def warm_up_worker(worker) -> list[str] | None:
         return None
     impl, kv = found
     try:
-        done, seconds = warm_up_layer(impl, kv, ctl.cfg)
+        done, failed, seconds = warm_up_layer(impl, kv, ctl.cfg)
     except Exception as e:  # start-up goes on: the kernels compile when first used instead
         logger.warning("sfi-vllm: compiling the eager path's kernels at start-up failed (%s: %s); each will "
                        "compile when first used, a pause of about a second", type(e).__name__, e)
         return None
+    for entry in failed:
+        logger.warning("sfi-vllm: compiling an eager-path kernel at start-up failed (%s); it will compile when "
+                       "first used, a pause of about a second", entry)
     logger.info("sfi-vllm: compiled the eager path's kernels at start-up (%d configurations, %.1f s)",
                 len(done), seconds)
     return done

@@ -38,11 +38,12 @@ def run_warmup(device, dtype, monkeypatch, hq=4, hkv=2, d=32, page=16):
     rec = {}
     for module, name in ((fast_decode, "_fast_decode_split"), (fast_decode, "_merge_splits"),
                          (slow_scores, "_slow_scores"), (selector_scores, "_stats_total"),
-                         (selector_scores, "_stats_finish"), (repack, "_repack_selected")):
+                         (selector_scores, "_stats_finish"), (repack, "_repack_selected"), (repack, "_repack")):
         rec[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, rec[name])
     _, kc, vc = paged_cache(3, page, hkv, d, dtype, device, torch.Generator().manual_seed(0))
-    done = warm_up_eager_kernels(LayerGeometry(hq, hkv, d, d ** -0.5), kc, vc, build_config({}, use_env=False))
+    done, failed = warm_up_eager_kernels(LayerGeometry(hq, hkv, d, d ** -0.5), kc, vc, build_config({}, use_env=False))
+    assert failed == []
     return done, rec
 
 
@@ -61,7 +62,42 @@ def test_warmup_launches_every_eager_configuration(device, dtype, monkeypatch):
     assert {k["S_PAD"] for k in rec["_stats_total"].launches} == pads
     assert {k["S_PAD"] for k in rec["_stats_finish"].launches} == pads
     assert {k["PUBLISH"] for k in rec["_repack_selected"].launches} == {True, False}
-    assert len(done) == len(EAGER_SPLITS) + 1 + len(pads) + 2
+    assert len(rec["_repack"].launches) == 1
+    assert len(done) == len(EAGER_SPLITS) + 1 + len(pads) + 3
+
+
+@pytest.mark.parametrize("device", [case("cpu", id="float32")])
+def test_a_failing_configuration_does_not_stop_the_others(device, monkeypatch):
+    import sfi_vllm.kernels.fast_decode as fast_decode
+    from sfi_vllm.backends.kernel_warmup import EAGER_SPLITS, LayerGeometry, warm_up_eager_kernels
+    from sfi_vllm.config import build_config
+
+    real = fast_decode.fast_decode_attention
+
+    def flaky(*args, **kwargs):
+        if args[12] == 4:
+            raise RuntimeError("out of resources")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_decode, "fast_decode_attention", flaky)
+    _, kc, vc = paged_cache(3, 16, 2, 32, torch.float32, device, torch.Generator().manual_seed(0))
+    done, failed = warm_up_eager_kernels(LayerGeometry(4, 2, 32, 32 ** -0.5), kc, vc, build_config({}, use_env=False),
+                                         selector_splits=(2,))
+    assert failed == ["fast_decode splits=4: RuntimeError: out of resources"]
+    assert len(done) == len(EAGER_SPLITS) - 1 + 1 + 1 + 3 and "repack" in done
+
+
+def test_host_tables_have_every_row_16_byte_aligned():
+    """The per-step tables whose rows the kernels take as pointers: one alignment class whatever
+    the row count (Triton compiles a variant per class)."""
+    from sfi_vllm.host_copy import rows_to_device
+
+    for n in range(1, 10):
+        rows = [[i * 10 + j for j in range(n)] for i in range(4)]
+        t = rows_to_device(rows, "cpu")
+        assert t.shape == (4, n) and t.tolist() == rows and t.stride(1) == 1
+        assert all(t[i].data_ptr() % 16 == 0 for i in range(4))
+    assert rows_to_device([[1, 2], [3, 4]], "cpu", torch.long)[1].data_ptr() % 16 == 0
 
 
 def test_warmup_covers_what_the_eager_path_can_choose():
@@ -98,10 +134,11 @@ def test_failed_warmup_is_logged_and_startup_goes_on(monkeypatch, caplog):
         assert kernel_warmup.warm_up_worker(object()) is None
     assert "compiling the eager path's kernels at start-up failed (RuntimeError: no such kernel)" in caplog.text
 
-    monkeypatch.setattr(warmup, "warm_up_layer", lambda impl, kv, cfg: (["a", "b"], 1.5))
+    monkeypatch.setattr(warmup, "warm_up_layer", lambda impl, kv, cfg: (["a", "b"], ["c: ValueError: x"], 1.5))
     with caplog.at_level(logging.INFO, logger="sfi_vllm"):
         assert kernel_warmup.warm_up_worker(object()) == ["a", "b"]
     assert "(2 configurations, 1.5 s)" in caplog.text
+    assert "compiling an eager-path kernel at start-up failed (c: ValueError: x)" in caplog.text
 
 
 def test_no_kernel_layer_on_a_cpu_cache():
