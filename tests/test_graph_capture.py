@@ -76,3 +76,22 @@ def test_selection_captures_are_logged_first_one_by_one_then_sparsely(caplog):
         logged = [n for n in range(1, 3 * CAPTURE_LOG_EVERY + 1) if log_capture("a test's", n, 0.25, "2 slow rows")]
     assert logged == [*range(1, CAPTURE_LOG_FIRST + 1), *range(CAPTURE_LOG_EVERY, 3 * CAPTURE_LOG_EVERY + 1, CAPTURE_LOG_EVERY)]
     assert "captured a test's graph 1 (2 slow rows) in 250 ms" in caplog.text
+
+
+def test_a_larger_scratch_drops_only_the_entries_that_read_the_old_one():
+    """The per-step refresh's shared scratch (logits and norms of staged queries): when a larger
+    one replaces it, the graphs holding the old one's address go; those whose scores the uniform
+    launch wrote (fused) read their own buffers and stay captured."""
+    from sfi_vllm.backends.step_refresh import StepRefresh, _Entry
+
+    def entry(scratch: bool) -> _Entry:
+        return _Entry(bt=None, seq=None, counts=None, budgets=None, meta=None, rows=None, logits=None,
+                      norms=None, pointers=(), scratch=scratch)
+
+    sr = StepRefresh()
+    first = sr.scratch(100, "cpu")
+    sr._entries["fused"], sr._entries["staged"] = entry(False), entry(True)
+    assert sr.scratch(50, "cpu") is first and set(sr._entries) == {"fused", "staged"}
+    larger = sr.scratch(200, "cpu")
+    assert larger.numel() == 200 and larger is not first
+    assert set(sr._entries) == {"fused"}

@@ -185,6 +185,7 @@ class _Entry:
     norms: torch.Tensor  # (C, R, Hkv, W) float32; fused: (layers, R, Hkv, W)
     pointers: tuple  # the caches and buffers captured (a graph is only valid for the same ones)
     graph: Any = None
+    scratch: bool = False  # its logits and norms are views of the shared scratch
 
 
 class StepRefresh:
@@ -324,21 +325,17 @@ class StepRefresh:
             n_logits, n_norms = chunk * R * hkv * g * width, chunk * R * hkv * width
             if job.scores is not None:  # the uniform launch wrote them: no scratch
                 logits, norms = job.scores
-            elif self._scratch is None or self._scratch.numel() < n_logits + n_norms or self._scratch.device != dev:
-                # the graphs captured so far hold the old scratch's address: drop them with it
-                self._drop(list(self._entries))
-                self._scratch = None
-                self._scratch = torch.empty(n_logits + n_norms, dtype=torch.float32, device=dev)
-            if job.scores is None:
-                logits = self._scratch[:n_logits].view(chunk, R, hkv, g, width)
-                norms = self._scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width)
+            else:
+                scratch = self.scratch(n_logits + n_norms, dev)
+                logits = scratch[:n_logits].view(chunk, R, hkv, g, width)
+                norms = scratch[n_logits:n_logits + n_norms].view(chunk, R, hkv, width)
             z = dict(dtype=torch.float32, device=dev)
             entry = self._entries[key] = _Entry(
                 bt=torch.empty_like(job.bt), seq=torch.empty(R, dtype=torch.int32, device=dev),
                 counts=torch.empty(chunk * R, **z), budgets=torch.empty(chunk * R, dtype=torch.long, device=dev),
                 meta=torch.empty(len(layers), 4, R, dtype=torch.int32, device=dev),
                 rows=torch.empty(R, dtype=torch.long, device=dev),
-                logits=logits, norms=norms, pointers=pointers)
+                logits=logits, norms=norms, pointers=pointers, scratch=job.scores is None)
         self._entries.move_to_end(key)
 
         # this step's inputs, into the entry's static tensors
@@ -408,6 +405,16 @@ class StepRefresh:
             self.eager_runs += 1
         for layer, t in zip(layers, targets):
             layer.packed.publish_host(job.slots, job.generations, t, counts, job.ws)
+
+    def scratch(self, numel: int, device) -> torch.Tensor:
+        """The shared logits + norms scratch, at least ``numel`` float32 on ``device``. A larger
+        one replaces it, and the entries that read the old one go with it (their graphs hold its
+        address); entries with fused scores read their own buffers and stay."""
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != torch.device(device):
+            self._drop([k for k, e in self._entries.items() if e.scratch])
+            self._scratch = None
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._scratch
 
     def _drop(self, keys: list) -> None:
         """Forget entries. A captured graph's memory pool returns to the allocator when the graph
