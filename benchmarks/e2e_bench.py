@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -454,7 +455,9 @@ def main() -> int:
         log_path = Path(args.out) / f"e2e-h200{args.tag}-{mode}.log"
         done = set()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            # a session of its own: tensor-parallel workers are its children, killed with it below
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True)
             try:
                 for line in proc.stdout:
                     log.write(line)
@@ -471,7 +474,10 @@ def main() -> int:
                 proc.wait()
             finally:
                 if proc.poll() is None:  # this process failed while reading: do not leave the engine running
-                    proc.kill()
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     proc.wait()
         # every point and repeat of the engine's own settings, its request variants and its probe
         names = {mode}
@@ -479,9 +485,12 @@ def main() -> int:
             names |= set(request_variants) | ({"sfi_probe"} if args.slow_probe else set())
         elif mode in variants and args.slow_probe and args.probe_variants:
             names.add(f"{mode}_probe")
-        if proc.returncode != 0 or len(done) < len(keys) * len(names):
+        missing = {(*k, n) for k in keys for n in names} - done
+        if missing or proc.returncode != 0:
             err = log_path.read_text()[-3000:]
-            print(f"{mode} engine stopped early (rc {proc.returncode}):\n{err}", flush=True)
+            what = (f"stopped early, without {len(missing)} of its results" if missing
+                    else f"exited with rc {proc.returncode} after all its results")
+            print(f"{mode} engine {what}:\n{err}", flush=True)
             for k in keys:
                 rows[k].setdefault(f"{mode}_error", err[-600:])
         _write(args, keys, rows)
@@ -493,7 +502,8 @@ def _named_json(values: list[str], flag: str) -> dict[str, dict]:
     out = {}
     for v in values:
         name, _, text = v.partition("=")
-        if not name.isidentifier() or name in MODES or name in out or name.endswith("_probe") or not text:
+        if (not name.isidentifier() or name in MODES or name in SPEC_MODES or name in out or name.endswith("_probe")
+                or not text):
             raise SystemExit(f"{flag} wants NAME=JSON with a new identifier NAME (not ending in _probe), got {v!r}")
         out[name] = json.loads(text)
     return out

@@ -122,7 +122,7 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
             cfg.selector, lg, nm, lo, count, target_programs=n * hkv))
 
     # the repacks of sinks + a selection into a set of their own: the per-step refresh's (int64
-    # positions from the top-K, with and without the publish) and the per-layer path's
+    # positions from the top-K, with the publish, as it always runs) and the per-layer path's
     k = page
     selected = torch.arange(lo, lo + k, dtype=torch.long, device=dev).expand(1, hkv, k).contiguous()
     meta = rows_to_device([[0], [lo + k], [0], [0]], dev)
@@ -130,10 +130,8 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
     out_v = torch.empty_like(out_k)
     length, window, slot_map = torch.zeros(1, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
     table = torch.zeros(1, -(-(lo + k) // page), **i32)
-    for publish in (True, False):
-        launch(f"repack_selected publish={publish}", lambda publish=publish: repack_selected(
-            key_cache, value_cache, table, selected, lo, meta, out_k, out_v, length, window, slot_map,
-            publish=publish))
+    launch("repack_selected", lambda: repack_selected(key_cache, value_cache, table, selected, lo, meta, out_k,
+                                                       out_v, length, window, slot_map))
     positions = torch.cat([torch.arange(lo, **i32).expand(1, hkv, lo), selected.to(torch.int32)], dim=2).contiguous()
     launch("repack", lambda: repack(key_cache, value_cache, table, meta[0], positions, meta[1], out_k, out_v))
     return done, failed

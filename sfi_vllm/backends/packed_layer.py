@@ -19,7 +19,7 @@ from sfi_vllm.backends.cuda_executor import executor_for
 from sfi_vllm.backends.step_refresh import refresh_per_step
 from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.controller import SFIController
-from sfi_vllm.host_copy import tensor_to_device
+from sfi_vllm.host_copy import rows_to_device, tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
 
 
@@ -177,7 +177,7 @@ class PackedSFILayer(SFILayer):
         scored = [i for i in range(len(rows)) if 0 < budget[i] < n_pages[i]]
         if scored:
             sub = _to_device(scored, dev)
-            meta = tensor_to_device([[lo[i] for i in scored], [n_pages[i] for i in scored]], dev, torch.int32)
+            meta = rows_to_device([[lo[i] for i in scored], [n_pages[i] for i in scored]], dev)  # rows aligned
             key_cache, _ = paged.nhd_views()
             scores = quest_page_scores(query[tok_idx[sub]], key_cache, bt[sub], meta[0], meta[1], page,
                                        max(n_pages[i] for i in scored))
@@ -190,7 +190,7 @@ class PackedSFILayer(SFILayer):
         counts = [sinks + (budget[i] * page if i in scored else 0) for i in range(len(rows))]
         buf.pack_rows([plan.slots[r] for r in rows], [plan.generations[r] for r in rows], paged, bt,
                       positions, counts, ws)
-        host = tensor_to_device([[plan.slots[r] for r in rows], ctx], dev, torch.int32)
+        host = rows_to_device([[plan.slots[r] for r in rows], ctx], dev)  # rows 16-byte aligned
         key_cache, value_cache = paged.nhd_views()
         max_keys = max(n + c - w for n, c, w in zip(counts, ctx, ws))
         out = fast_decode_attention(

@@ -410,7 +410,10 @@ class StepRefresh:
         """The shared logits + norms scratch, at least ``numel`` float32 on ``device``. A larger
         one replaces it, and the entries that read the old one go with it (their graphs hold its
         address); entries with fused scores read their own buffers and stay."""
-        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != torch.device(device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors say it
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != device:
             self._drop([k for k, e in self._entries.items() if e.scratch])
             self._scratch = None
             self._scratch = torch.empty(numel, dtype=torch.float32, device=device)

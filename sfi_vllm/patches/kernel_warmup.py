@@ -62,8 +62,8 @@ def warm_up_worker(worker) -> list[str] | None:
     for entry in failed:
         logger.warning("sfi-vllm: compiling an eager-path kernel at start-up failed (%s); it will compile when "
                        "first used, a pause of about a second", entry)
-    logger.info("sfi-vllm: compiled the eager path's kernels at start-up (%d configurations, %.1f s)",
-                len(done), seconds)
+    logger.info("sfi-vllm: compiled the eager path's kernels at start-up (%d configurations, %d failed, %.1f s)",
+                len(done), len(failed), seconds)
     return done
 
 
