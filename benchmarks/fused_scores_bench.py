@@ -11,9 +11,11 @@ replays of a graph holding one call (``attn_timing.graph_time_us``):
   scores - fused, what one layer of a slow step saves;
 * ``fast_us`` / ``fast_fused_us``: a fast step (compact 2,052 + window 256) without and with the
   score arguments (no row scored): what the fused variant costs the steps that score nothing;
-* ``keys_us``: the same fast rows all scored (keys-only slow rows, ``slow_attention: keys``): they
-  attend through their sets and read the keys of the whole context once more for the scores, which
-  are checked like the dense rows' (``keys_logits_max_err``, ``keys_norms_max_err``, ``keys_same_output``).
+* ``keys_us_kb<N>``: the same fast rows all scored (keys-only slow rows, ``slow_attention: keys``): they
+  attend through their sets and read the keys of the whole context once more for the scores, in
+  tiles of ``N`` keys (``--key-blocks``; ``keys_us``: the kernel's default tile), checked like the
+  dense rows' (``keys_logits_max_err_kb<N>``, ``keys_norms_max_err_kb<N>``, ``keys_same_output_kb<N>``);
+  ``key_pass_tbps_kb<N>``: the keys' bytes over the time the scores add to ``fast_fused_us``.
 The fused logits and norms are checked against the score kernel's (``logits_max_err``,
 ``norms_max_err``) and the attention output against the launch without scores (``same_output``).
 Prints one JSON object per point; writes fused-scores-h200.jsonl to DIR; exits 1 if a check fails.
@@ -39,8 +41,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS))
+    ap.add_argument("--key-blocks", default="32,64,128",
+                    help="keys-only score tiles to time (key_block_n): keys_us_kb<N> per tile, each checked")
     args = ap.parse_args()
-    from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace, uniform_num_splits
+    from sfi_vllm.kernels.fast_decode import (KEY_BLOCK_N, ScoreFrames, fast_decode_attention, make_workspace,
+                                              uniform_num_splits)
     from sfi_vllm.kernels.slow_scores import slow_step_scores
 
     rows_out, ok = [], True
@@ -96,21 +101,31 @@ def main() -> int:
         wsf = torch.full((B,), ctx - WINDOW, dtype=torch.int32, device=dev)
         unscored = frames._replace(base=torch.full((B,), -1, dtype=torch.int32, device=dev))
 
-        def fast(scores=None):
+        def fast(scores=None, key_block_n=None):
             return fast_decode_attention(q, ckf, ckf, kc, vc, bt, slots, zeros, lens, ncf, wsf, scale, ns,
-                                         out=out, workspace=work, scores=scores)
+                                         out=out, workspace=work, scores=scores, key_block_n=key_block_n)
 
         row["fast_us"] = round(graph_time_us(fast), 1)
         row["fast_fused_us"] = round(graph_time_us(lambda: fast(unscored)), 1)
         plain_fast = fast().clone()
-        frames.logits.fill_(float("nan"))
-        frames.norms.fill_(float("nan"))
-        fast(frames)  # every fast row scored: keys-only slow rows
-        row["keys_same_output"] = torch.equal(out, plain_fast)
-        row["keys_logits_max_err"] = (flg[..., :ctx] - lg[..., :ctx]).abs().max().item()
-        row["keys_norms_max_err"] = (fnm[..., :ctx] - nm[..., :ctx]).abs().max().item()
-        ok &= (row["keys_same_output"] and row["keys_logits_max_err"] < 1e-3 and row["keys_norms_max_err"] < 1e-3)
-        row["keys_us"] = round(graph_time_us(lambda: fast(frames)), 1)
+        key_bytes = B * ctx * HKV * D * q.element_size()  # the keys the scored rows read once more
+        row["key_block_default"] = KEY_BLOCK_N
+        for kb in [int(x) for x in args.key_blocks.split(",")] or [KEY_BLOCK_N]:
+            frames.logits.fill_(float("nan"))
+            frames.norms.fill_(float("nan"))
+            fast(frames, kb)  # every fast row scored: keys-only slow rows
+            tag = f"_kb{kb}"
+            row["keys_same_output" + tag] = torch.equal(out, plain_fast)
+            row["keys_logits_max_err" + tag] = (flg[..., :ctx] - lg[..., :ctx]).abs().max().item()
+            row["keys_norms_max_err" + tag] = (fnm[..., :ctx] - nm[..., :ctx]).abs().max().item()
+            ok &= (row["keys_same_output" + tag] and row["keys_logits_max_err" + tag] < 1e-3
+                   and row["keys_norms_max_err" + tag] < 1e-3)
+            us = round(graph_time_us(lambda: fast(frames, kb)), 1)
+            row["keys_us" + tag] = us
+            # the pass over the keys alone: what the scored launch adds to the unscored one
+            row["key_pass_tbps" + tag] = round(key_bytes / max(us - row["fast_fused_us"], 1e-3) / 1e6, 2)
+            if kb == KEY_BLOCK_N:
+                row["keys_us"] = us
         row["gpu"] = torch.cuda.get_device_name()
         rows_out.append(row)
         print(json.dumps(row), flush=True)

@@ -76,15 +76,20 @@ def _window_tiles(q, m_i, l_i, acc, w_lo, hi, nc, ws, b, h, BT, KC, VC, stride_b
 
 @triton.jit
 def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row, gmask,
-                qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, KEY_BLOCK: tl.constexpr, PAGE: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
     """A keys-only slow row's scores over split ``s`` of ``[0, seq)``: the logits and key norms that
-    a dense row writes from its window tiles (the same tiles, so the same values), without the values
-    or the softmax."""
-    per = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    a dense row writes from its window tiles (the same dot products over the head dimension),
+    without the values or the softmax. No state passes from tile to tile, so the tile
+    (``KEY_BLOCK`` keys, a multiple of ``BLOCK_N``) sets only how many keys one program loads at
+    once; the norms come from a second load of each ``BLOCK_N`` slice (an L1/L2 hit), as in the
+    window tiles."""
+    per = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), KEY_BLOCK) * KEY_BLOCK
     lo = s * per
     hi = tl.minimum(lo + per, seq)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
+    offs_k = tl.arange(0, KEY_BLOCK)
+    for start in range(lo, hi, KEY_BLOCK):
+        pos = start + offs_k
         nmask = pos < hi
         blk = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
         off = (pos % PAGE).to(tl.int64)
@@ -92,9 +97,20 @@ def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, strid
                     mask=nmask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         tl.store(lg_row + pos[None, :], qk * 0.6931471805599453, mask=gmask[:, None] & nmask[None, :])
-        k2 = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
-                     mask=nmask[:, None], other=0.0).to(tl.float32)
-        tl.store(nm_row + pos, tl.sqrt(tl.sum(k2 * k2, 1)), mask=nmask)
+        for j in tl.static_range(0, KEY_BLOCK, BLOCK_N):
+            if KEY_BLOCK == BLOCK_N:  # the tile itself: its block ids and offsets are loaded
+                pj = pos
+                mj = nmask
+                bj = blk
+                oj = off
+            else:
+                pj = start + j + offs_n
+                mj = pj < hi
+                bj = tl.load(BT + b * stride_btb + pj // PAGE, mask=mj, other=0).to(tl.int64)
+                oj = (pj % PAGE).to(tl.int64)
+            k2 = tl.load(KC + bj[:, None] * stride_kb + oj[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+                         mask=mj[:, None], other=0.0).to(tl.float32)
+            tl.store(nm_row + pj, tl.sqrt(tl.sum(k2 * k2, 1)), mask=mj)
 
 
 @triton.jit(do_not_specialize=["layer", "stride_btb"])  # values that change with the batch
@@ -112,7 +128,7 @@ def _fast_decode_split(
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
-    HAS_SCORES: tl.constexpr,
+    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -202,7 +218,7 @@ def _fast_decode_split(
     if HAS_SCORES:
         if keys_scored:
             _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row,
-                        gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, NUM_SPLITS)
+                        gmask, qk_scale, offs_n, offs_d, BLOCK_N, KEY_BLOCK, PAGE, NUM_SPLITS)
         if scored & (s == NUM_SPLITS - 1):  # the frame past the row's keys
             for start in range(seq, sc_w32, BLOCK_N):
                 n = start + offs_n
@@ -238,6 +254,10 @@ def _merge_splits(ACC, LSE, OUT, stride_ab, stride_ah, stride_as, stride_lb, str
                   mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+# Keys per tile of a keys-only slow row's score pass (``_key_scores``); a multiple of ``block_n``.
+KEY_BLOCK_N = 32
 
 
 class ScoreFrames(NamedTuple):
@@ -294,6 +314,7 @@ def fast_decode_attention(
     stage: torch.Tensor | None = None,  # (>= B, Hq, D): receives a copy of q (query staging)
     scores: ScoreFrames | None = None,  # fused slow-step scores of the scored dense rows
     block_n: int = 32,
+    key_block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -302,7 +323,9 @@ def fast_decode_attention(
     row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start). With
     ``stage`` the kernel also copies ``q`` there (the per-step refresh of slow rows that run inside
     a full CUDA graph reads it). With ``scores`` the scored dense rows also write their slow-step
-    logits and key norms (module doc); the caller sizes the buffers for the frames it assigns."""
+    logits and key norms (module doc); the caller sizes the buffers for the frames it assigns.
+    ``key_block_n``: the keys-only rows' score tile (a multiple of ``block_n``; default
+    :data:`KEY_BLOCK_N`)."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -316,6 +339,8 @@ def fast_decode_attention(
     if scores is not None:
         assert scores.logits.dtype == torch.float32 and scores.norms.dtype == torch.float32
         assert scores.logits.is_contiguous() and scores.norms.is_contiguous()
+    key_block = KEY_BLOCK_N if key_block_n is None else key_block_n
+    assert key_block % block_n == 0, "key_block_n: a multiple of block_n"
     sc = scores if scores is not None else (row_slot, row_slot, row_slot, acc, acc, 0)
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
@@ -333,7 +358,7 @@ def fast_decode_attention(
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
-        HAS_STAGE=stage is not None, HAS_SCORES=scores is not None,
+        HAS_STAGE=stage is not None, HAS_SCORES=scores is not None, KEY_BLOCK=key_block,
         num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](

@@ -10,13 +10,14 @@ from builders import GPU_DTYPES, GPU_SHAPES, block_tables, case, paged_cache, sh
 
 
 def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
-                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5):
+                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5, key_block_n=None):
     """The fast-step kernel's fused slow-step scores: rows 1 and 2 are dense and scored (one
     group of two rows, frame width past both contexts, written as layer 1 of 2), row 0 has a
     compact set and is scored too (a keys-only slow row: a group of its own after the first),
     row 3 is dense and not scored, row 4 is padding. Their logits and key norms against the
     gathered keys; nothing written outside the three frames; the attention output the same as
-    without scores (row 0's through its compact set and window)."""
+    without scores (row 0's through its compact set and window). ``key_block_n``: the keys-only
+    row's score tile (None: the kernel's default)."""
     from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +51,7 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         out = torch.full_like(q, float("nan"))
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=out,
                               workspace=make_workspace(B, hq, d, ns, device),
-                              scores=ScoreFrames(base, stride, wid, logits, norms, 1))
+                              scores=ScoreFrames(base, stride, wid, logits, norms, 1), key_block_n=key_block_n)
         assert torch.equal(out, plain), "the scores changed the attention output"
         lg = logits[(lead + rows * width) * hq:(lead + 2 * rows * width) * hq].view(rows, hkv, G, width)
         nm = norms[(lead + rows * width) * hkv:(lead + 2 * rows * width) * hkv].view(rows, hkv, width)
@@ -80,7 +81,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("key_block_n", [32, 128])
 @pytest.mark.parametrize("device,dtype,kw,tol", CASES)
-def test_fused_scores(device, dtype, kw, tol):
-    err = check_fused_scores(device, dtype, **kw)
+def test_fused_scores(device, dtype, kw, tol, key_block_n):
+    """Each tile of the keys-only pass: one the window's size, and one of four window tiles
+    (with its norms from four slices); row 0's keys end inside a tile of either size."""
+    err = check_fused_scores(device, dtype, key_block_n=key_block_n, **kw)
     assert err < tol, (dtype, err)
