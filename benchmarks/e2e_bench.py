@@ -388,6 +388,7 @@ def main() -> int:
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # the engines' logs are written there first
     model = Path("/tmp/sfi-qwen3-4b-shape")
     if args.make_model:
         make_model(model)
