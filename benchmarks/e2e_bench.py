@@ -111,9 +111,10 @@ SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_accep
 # Random token ids have no sentences; the speed preset has no boundary trigger and a reuse budget
 # of 20 fast steps: one slow step every 21 steps (~4.8%), about the rate the sentence trigger gave
 # on real generations of the test model (1 per ~18-24 steps). Row j's prompt is j tokens shorter
-# than the point's context, so that requests of one batch, which start together, take different
-# reuse phases (sfi.reuse_stagger derives the phase from the context length), as requests of
-# different lengths do in serving.
+# than the point's context, so that with sfi.reuse_stagger on (it derives a reuse phase from the
+# context length) requests of one batch, which start together, take different reuse phases, as
+# requests arriving apart do in serving. The stagger is off by default: then every row of a batch
+# refreshes on the same steps.
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,

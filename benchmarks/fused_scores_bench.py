@@ -13,7 +13,7 @@ replays of a graph holding one call (``attn_timing.graph_time_us``):
   score arguments (no row scored): what the fused variant costs the steps that score nothing;
 * ``keys_us_kb<N>``: the same fast rows all scored (keys-only slow rows, ``slow_attention: keys``): they
   attend through their sets and read the keys of the whole context once more for the scores, in
-  tiles of ``N`` keys (``--key-blocks``; ``keys_us``: the kernel's default tile), checked like the
+  tiles of ``N`` keys (``--key-blocks``; ``keys_us``: the kernel's default tile, when swept), checked like the
   dense rows' (``keys_logits_max_err_kb<N>``, ``keys_norms_max_err_kb<N>``, ``keys_same_output_kb<N>``);
   ``key_pass_tbps_kb<N>``: the keys' bytes over the time the scores add to ``fast_fused_us``.
 The fused logits and norms are checked against the score kernel's (``logits_max_err``,
@@ -110,7 +110,7 @@ def main() -> int:
         plain_fast = fast().clone()
         key_bytes = B * ctx * HKV * D * q.element_size()  # the keys the scored rows read once more
         row["key_block_default"] = KEY_BLOCK_N
-        for kb in [int(x) for x in args.key_blocks.split(",")] or [KEY_BLOCK_N]:
+        for kb in [int(x) for x in args.key_blocks.split(",") if x.strip()] or [KEY_BLOCK_N]:
             frames.logits.fill_(float("nan"))
             frames.norms.fill_(float("nan"))
             fast(frames, kb)  # every fast row scored: keys-only slow rows

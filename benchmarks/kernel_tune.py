@@ -21,13 +21,14 @@ def main():
     slots = torch.arange(batch, device="cuda", dtype=torch.int32)
     nc = torch.full((batch,), keep - WINDOW, device="cuda", dtype=torch.int32)
     ws = lens - WINDOW
+    zeros = torch.zeros(batch, device="cuda", dtype=torch.int32)  # no per-row window bound
     out = torch.empty_like(q)
     base = default_num_splits(batch, HKV, keep)
     nbytes = batch * keep * HKV * D * 4
     for splits, bn, warps, stages in itertools.product((base, 2 * base, 4 * base), (32, 64, 128), (4, 8), (2, 3, 4)):
         w = make_workspace(batch, HQ, D, splits, "cuda")
         try:
-            us = graph_time_us(lambda: fast_decode_attention(q, ck, cv, kc, vc, bt, slots, nc, ws, lens, D ** -0.5,
+            us = graph_time_us(lambda: fast_decode_attention(q, ck, cv, kc, vc, bt, slots, zeros, lens, nc, ws, D ** -0.5,
                                                              splits, out=out, workspace=w, block_n=bn,
                                                              num_warps=warps, num_stages=stages), replays=100)
         except Exception as e:  # out of resources etc.

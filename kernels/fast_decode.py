@@ -324,8 +324,8 @@ def fast_decode_attention(
     ``stage`` the kernel also copies ``q`` there (the per-step refresh of slow rows that run inside
     a full CUDA graph reads it). With ``scores`` the scored dense rows also write their slow-step
     logits and key norms (module doc); the caller sizes the buffers for the frames it assigns.
-    ``key_block_n``: the keys-only rows' score tile (a multiple of ``block_n``; default
-    :data:`KEY_BLOCK_N`)."""
+    ``key_block_n``: the keys-only rows' score tile (a power of two and a multiple of ``block_n``;
+    default :data:`KEY_BLOCK_N`, or ``block_n`` if larger)."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -339,8 +339,10 @@ def fast_decode_attention(
     if scores is not None:
         assert scores.logits.dtype == torch.float32 and scores.norms.dtype == torch.float32
         assert scores.logits.is_contiguous() and scores.norms.is_contiguous()
-    key_block = KEY_BLOCK_N if key_block_n is None else key_block_n
-    assert key_block % block_n == 0, "key_block_n: a multiple of block_n"
+    key_block = max(KEY_BLOCK_N, block_n) if key_block_n is None else key_block_n
+    if scores is not None:  # only the keys-only pass uses it
+        assert key_block % block_n == 0 and key_block & (key_block - 1) == 0, \
+            "key_block_n: a power of two and a multiple of block_n"
     sc = scores if scores is not None else (row_slot, row_slot, row_slot, acc, acc, 0)
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,

@@ -370,8 +370,9 @@ class EngineSettings(_SettingsModel):
         "passes as full CUDA graphs, one per padded batch size, each captured at its first use after "
         "one piecewise run (a one-off pause; the graphs' memory is outside vLLM's KV-cache sizing). "
         "vLLM 0.26 gives a drafter piecewise graphs only, and its eager passes are host-bound. On an "
-        "H200 at 8 x 32K: 0.35x and 0.60x dense in two runs, against 0.26x with false "
-        "(benchmarks/results/lossless-h200.md, part 4)",
+        "H200 at 8 x 32K: 0.77x dense with every one-token pass replayed and the verify step in a "
+        "graph (part 6 of benchmarks/results/lossless-h200.md); false has not run with the verify "
+        "step in a graph (0.26x without one, part 4)",
     )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     compact_memory_gib: float | None = Field(
