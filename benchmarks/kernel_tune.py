@@ -1,5 +1,6 @@
 """Sweep launch parameters of the fast-step kernel at one point (16 x 16K, 12.5% retention), under
-CUDA graphs; prints one line per variant. Used to pick the defaults; results in kernel_tuning notes.
+CUDA graphs; prints one line per variant. Used to pick the defaults; results in
+benchmarks/results/kernel-tune-h200.txt.
 
     python3 benchmarks/kernel_tune.py
 """

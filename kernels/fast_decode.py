@@ -341,7 +341,7 @@ def fast_decode_attention(
         assert scores.logits.is_contiguous() and scores.norms.is_contiguous()
     key_block = max(KEY_BLOCK_N, block_n) if key_block_n is None else key_block_n
     if scores is not None:  # only the keys-only pass uses it
-        assert key_block % block_n == 0 and key_block & (key_block - 1) == 0, \
+        assert key_block > 0 and key_block % block_n == 0 and key_block & (key_block - 1) == 0, \
             "key_block_n: a power of two and a multiple of block_n"
     sc = scores if scores is not None else (row_slot, row_slot, row_slot, acc, acc, 0)
     _fast_decode_split[(B, Hkv, num_splits)](
