@@ -386,6 +386,9 @@ def main() -> int:
     ap.add_argument("--request-variant", action="append", default=[], metavar="NAME=JSON",
                     help="per-request SFI settings timed on the sfi engine after its own (repeatable; no "
                     "engine of their own: only policy fields); figures keyed NAME_* (NAME_ratio, ...)")
+    ap.add_argument("--requests-on-variants", action="store_true",
+                    help="run the --request-variant settings on the --variant engines too (figures keyed "
+                    "VARIANT_REQUESTVARIANT_*, e.g. kern_stagger_ratio)")
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
@@ -407,8 +410,10 @@ def main() -> int:
             MODES[name] = None if over is None else {**MODES["sfi"], **over}
     if args.mode:
         spec = json.loads(args.spec) if args.mode in SPEC_MODES else None
-        request_variants = _named_json(args.request_variant, "--request-variant") if args.mode == "sfi" and \
-            args.name is None else {}
+        request_variants = _named_json(args.request_variant, "--request-variant") if args.mode == "sfi" else {}
+        if args.name is not None:  # a variant engine: its request variants' figures under its own name
+            request_variants = {f"{args.name}_{n}": over for n, over in request_variants.items()
+                                if args.requests_on_variants}
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
             probe=args.slow_probe and MODES[args.mode] is not None and spec is None
             and (args.name is None or args.probe_variants),
@@ -419,7 +424,8 @@ def main() -> int:
     request_variants = _named_json(args.request_variant, "--request-variant")
     if set(variants) & set(request_variants):
         raise SystemExit("--variant and --request-variant names must differ")
-    args.variants = list(variants) + list(request_variants)
+    args.variants = list(variants) + list(request_variants) + (
+        [f"{v}_{r}" for v in variants for r in request_variants] if args.requests_on_variants else [])
     import subprocess
     import sys
 
@@ -450,8 +456,10 @@ def main() -> int:
                    ["--name", mode] if mode in variants else []) + (
                    ["--slow-probe"] if args.slow_probe else []) + (
                    ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)] + (
-                   ["--spec", args.spec] if args.spec else []) + ["--repeats", str(args.repeats)] + [
-                   a for v in (args.request_variant if mode == "sfi" else []) for a in ("--request-variant", v)]
+                   ["--spec", args.spec] if args.spec else []) + ["--repeats", str(args.repeats)] + (
+                   ["--requests-on-variants"] if args.requests_on_variants else []) + [
+                   a for v in (args.request_variant if mode == "sfi" or (mode in variants and args.requests_on_variants)
+                               else []) for a in ("--request-variant", v)]
         # the engine's own log (captures, compilations, warnings) beside the results; its results
         # are written as they come, so that a run cut short keeps what it measured
         log_path = Path(args.out) / f"e2e-h200{args.tag}-{mode}.log"
@@ -485,8 +493,11 @@ def main() -> int:
         names = {mode}
         if mode == "sfi":
             names |= set(request_variants) | ({"sfi_probe"} if args.slow_probe else set())
-        elif mode in variants and args.slow_probe and args.probe_variants:
-            names.add(f"{mode}_probe")
+        elif mode in variants:
+            if args.slow_probe and args.probe_variants:
+                names.add(f"{mode}_probe")
+            if args.requests_on_variants:
+                names |= {f"{mode}_{r}" for r in request_variants}
         missing = {(*k, n) for k in keys for n in names} - done
         if missing or proc.returncode != 0:
             err = log_path.read_text()[-3000:]

@@ -15,7 +15,11 @@ replays of a graph holding one call (``attn_timing.graph_time_us``):
   attend through their sets and read the keys of the whole context once more for the scores, in
   tiles of ``N`` keys (``--key-blocks``; ``keys_us``: the kernel's default tile, when swept), checked like the
   dense rows' (``keys_logits_max_err_kb<N>``, ``keys_norms_max_err_kb<N>``, ``keys_same_output_kb<N>``);
-  ``key_pass_tbps_kb<N>``: the keys' bytes over the time the scores add to ``fast_fused_us``.
+  ``key_pass_tbps_kb<N>``: the keys' bytes over the time the scores add to ``fast_fused_us``;
+* ``keys1_us`` / ``scores1_us``: one keys-only slow row among the batch's fast rows (the others
+  unscored; requests whose refreshes fall on different steps), scored by the fast-step kernel's
+  pass at the default tile, and the score kernel on that row alone (what the refresh runs with
+  ``experimental.keys_only_scores: refresh``), checked like the others (``keys1_*``).
 The fused logits and norms are checked against the score kernel's (``logits_max_err``,
 ``norms_max_err``) and the attention output against the launch without scores (``same_output``).
 Prints one JSON object per point; writes fused-scores-h200.jsonl to DIR; exits 1 if a check fails.
@@ -126,6 +130,18 @@ def main() -> int:
             row["key_pass_tbps" + tag] = round(key_bytes / max(us - row["fast_fused_us"], 1e-3) / 1e6, 2)
             if kb == KEY_BLOCK_N:
                 row["keys_us"] = us
+        # one keys-only slow row among fast rows: the kernel's pass against the score kernel on the row
+        one = frames._replace(base=torch.where(torch.arange(B, device=dev) == 0, frames.base, -1))
+        frames.logits.fill_(float("nan"))
+        frames.norms.fill_(float("nan"))
+        fast(one)
+        row["keys1_same_output"] = torch.equal(out, plain_fast)
+        row["keys1_logits_max_err"] = (flg[0, ..., :ctx] - lg[0, ..., :ctx]).abs().max().item()
+        row["keys1_norms_max_err"] = (fnm[0, ..., :ctx] - nm[0, ..., :ctx]).abs().max().item()
+        ok &= (row["keys1_same_output"] and row["keys1_logits_max_err"] < 1e-3 and row["keys1_norms_max_err"] < 1e-3)
+        row["keys1_us"] = round(graph_time_us(lambda: fast(one)), 1)
+        row["scores1_us"] = round(graph_time_us(lambda: slow_step_scores(q[:1], kc, bt[:1], lens[:1], width, scale,
+                                                                        out=(lg[:1], nm[:1]))), 1)
         row["gpu"] = torch.cuda.get_device_name()
         rows_out.append(row)
         print(json.dumps(row), flush=True)

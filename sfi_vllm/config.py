@@ -76,6 +76,14 @@ class ExperimentalConfig(BaseModel):
         "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
         "token-level selection only: page selection always takes torch's)",
     )
+    keys_only_scores: Literal["refresh", "fast_kernel"] = Field(
+        "refresh",
+        description="GPU kernel path, keys-only slow rows (slow_attention keys) of a step inside a "
+        "CUDA graph, with fused score buffers: the refresh after the step scores their keys with the "
+        "score kernel, into the fused buffers (refresh, default), or the fast-step kernel does, in a "
+        "pass over the keys after each row's attention (fast_kernel: on the attention's few programs "
+        "per row, about half the GPU's bandwidth; benchmarks/results/fused-scores-h200.md)",
+    )
     synthetic_acceptance: bool = Field(
         False,
         description="sfi.mode lossless, for speed measurements only: allow vLLM's "
@@ -354,9 +362,10 @@ class EngineSettings(_SettingsModel):
     fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
         "auto",
         description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
-        "kernel also writes the slow rows' logits and key norms (from the keys a dense slow row reads "
-        "anyway, or in a keys-only pass for slow_attention keys), so the refresh after the step runs "
-        "no score kernel. The value sizes the buffer, allocated at "
+        "kernel also writes the dense slow rows' logits and key norms (from the keys their attention "
+        "reads anyway), so the refresh after the step runs no score kernel for them; keys-only slow "
+        "rows (slow_attention keys) are scored into the same buffers (experimental.keys_only_scores). "
+        "The value sizes the buffer, allocated at "
         "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
         "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
         "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "

@@ -244,7 +244,7 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     # sinks), a frame of 4096 tokens (the larger context rounded up to 2048) for each row
     p = ctl.plan_step(["a", "c"], np.array([1, 1]), np.array([1000, 2500]), [1000, 2500], torch.tensor([1, 1]))
     assert p.graph_slow and p.context == [1001, 2501]
-    assert p.score_layout == {(ctl.cfg.selector, 4): (0, 4096)}
+    assert p.score_layout == {(ctl.cfg.selector, 4, False): (0, 4096, True)}  # dense rows: scored in the kernel
     # base, layer stride and width per row; a padding row past the batch has base -1
     assert score_row_tables(p, 3).tolist() == [[0, 4096, -1], [8192, 8192, 0], [4096, 4096, 0]]
     logits, norms = executor.fused_scores.views(0, 2, 4096)

@@ -30,8 +30,14 @@ fast-step kernel also writes the slow rows' logits and key norms into :class:`Fu
 laid out per group of slow rows as ``(layers, rows, Hkv, G, width)`` (:func:`plan_score_frames`),
 and the refresh skips the score kernel. A dense slow row writes them from the keys its attention
 reads (the keys read once per slow step instead of twice; measured on the H200:
-benchmarks/results/e2e-h200.md), a keys-only slow row (``slow_attention: keys``) in a pass over
-its context's keys after its attention through its set.
+benchmarks/results/e2e-h200.md). A keys-only slow row (``slow_attention: keys``) reads its keys
+for the scores alone, so nothing is saved by reading them inside the fast-step kernel: by default
+(``experimental.keys_only_scores: refresh``) the refresh scores its group with the score kernel,
+into the group's frames of the same buffers (no scratch while serving), and the step attends for
+it as for a fast row. The score kernel's grid covers every tile of every row, where the fast-step
+kernel's pass (``fast_kernel``) runs on the few programs of the attention's splits (a handful per
+row and KV head) and reads the keys at about half the GPU's bandwidth
+(benchmarks/results/fused-scores-h200.md).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -70,14 +76,25 @@ AUTO_MAX_TOKENS = 1 << 19
 
 def graph_slow_groups(plan) -> dict[tuple, list[int]]:
     """The slow rows of a plan whose step runs as a uniform step, grouped as their refreshes run:
-    by Selector setting and sink count, in row order."""
+    by Selector setting, sink count and whether they are keys-only (``slow_attention: keys``), in
+    row order."""
     from sfi_vllm.trigger import StepMode
 
     assert plan.geometry is not None
     groups: dict[tuple, list[int]] = {}
     for r in plan.rows(StepMode.SLOW):
-        groups.setdefault((plan.configs[r].selector, plan.geometry[r].sinks), []).append(r)
+        keys_only = plan.keys_only is not None and plan.keys_only[r]
+        groups.setdefault((plan.configs[r].selector, plan.geometry[r].sinks, keys_only), []).append(r)
     return groups
+
+
+class ScoreFrame(NamedTuple):
+    """A group of slow rows' place in the fused score buffers: its first frame token, the frame
+    width, and who writes the scores (``in_kernel``: the fast-step kernel during the step; else
+    the score kernel in the refresh after it)."""
+    offset: int
+    width: int
+    in_kernel: bool
 
 
 @dataclass
@@ -113,28 +130,32 @@ class FusedScoreBuffers:
                     self.layers, rows, self.kv_heads, width))
 
 
-def plan_score_frames(groups: dict[tuple, list[int]], context: list[int],
-                      buffers: FusedScoreBuffers) -> dict[tuple, tuple[int, int]] | None:
-    """Each group's ``(offset, width)`` in the fused score buffers, or None if the groups' frames
-    (every row's context rounded up to the Selector's frame width, for every layer) do not fit."""
+def plan_score_frames(groups: dict[tuple, list[int]], context: list[int], buffers: FusedScoreBuffers,
+                      keys_in_kernel: bool = False) -> dict[tuple, ScoreFrame] | None:
+    """Each group's :class:`ScoreFrame` in the fused score buffers, or None if the groups' frames
+    (every row's context rounded up to the Selector's frame width, for every layer) do not fit.
+    A group of dense slow rows is scored in the kernel; a keys-only group (its key's last item) in
+    the kernel only with ``keys_in_kernel`` (``experimental.keys_only_scores: fast_kernel``)."""
     layout, offset = {}, 0
     for key, rows in groups.items():
         width = SlowStepSelection.frame_width(max(context[r] for r in rows))
-        layout[key] = (offset, width)
+        layout[key] = ScoreFrame(offset, width, in_kernel=keys_in_kernel or not key[-1])
         offset += buffers.layers * len(rows) * width
     return layout if offset <= buffers.tokens * buffers.layers else None
 
 
 def score_row_tables(plan, rows: int) -> torch.Tensor:
     """``(3, rows)`` int32 host table of the fast-step kernel's fused scores: each row's frame
-    base, layer stride and width (base ``-1``: the row is not scored)."""
+    base, layer stride and width (base ``-1``: the kernel does not score the row)."""
     out = torch.zeros(3, rows, dtype=torch.int32)
     out[0] = -1
     layout = getattr(plan, "score_layout", None) if plan is not None else None
     if not layout:
         return out
     for key, group in graph_slow_groups(plan).items():
-        offset, width = layout[key]
+        offset, width, in_kernel = layout[key]
+        if not in_kernel:
+            continue
         for j, r in enumerate(group):
             out[:, r] = torch.tensor([offset + j * width, len(group) * width, width], dtype=torch.int32)
     return out
@@ -166,9 +187,11 @@ class _Job:
     # slow_in_graph: the rows' indices in each layer's own stage (written by the uniform launch)
     rows_idx: list[int] | None = None
     # fused scores: the group's logits (layers, R, Hkv, G, W) and norms (layers, R, Hkv, W), views
-    # of the executor's FusedScoreBuffers written by the uniform launch; and their offset
+    # of the executor's FusedScoreBuffers; their offset; and whether the uniform launch wrote them
+    # (else the refresh scores into them)
     scores: tuple[torch.Tensor, torch.Tensor] | None = None
     score_offset: int | None = None
+    scored_in_kernel: bool = True
     layers: list = field(default_factory=list)  # SFILayer, in record order
     kv: list = field(default_factory=list)  # (key_cache, value_cache) per recorded layer
 
@@ -258,19 +281,21 @@ class StepRefresh:
                        or [l.index for l in layers] != list(range(len(layers)))):
             raise RuntimeError("sfi-vllm: fused scores planned for layers the buffers do not hold; this is a bug")
         dev = block_table.device
-        for (sel, sinks), rows in graph_slow_groups(plan).items():
-            frame = layout.get((sel, sinks))
+        for key, rows in graph_slow_groups(plan).items():
+            sel, sinks, _ = key
+            frame = layout.get(key)
             rows_dev = tensor_to_device(rows, dev)
             ctx = [plan.context[r] for r in rows]
-            self._pending[("graph", tuple(rows), sinks, sel)] = _Job(
+            self._pending[("graph", *key, tuple(rows))] = _Job(
                 rows=tuple(rows), cfg=plan.configs[rows[0]], sinks=sinks, ctx=ctx,
                 ws=[plan.geometry[r].window_start for r in rows],
                 k=[plan.geometry[r].selected for r in rows],
                 slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
                 tok=rows_dev, bt=block_table[rows_dev].to(torch.int32), stage=None, rows_idx=list(rows),
                 layers=layers, kv=[l.kv for l in layers],
-                scores=None if frame is None else buffers.views(frame[0], len(rows), frame[1]),
-                score_offset=None if frame is None else frame[0])
+                scores=None if frame is None else buffers.views(frame.offset, len(rows), frame.width),
+                score_offset=None if frame is None else frame.offset,
+                scored_in_kernel=frame is not None and frame.in_kernel)
         if dev.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event()
@@ -309,7 +334,10 @@ class StepRefresh:
         per_layer = R * hkv * (g + 1) * width * 4
         chunk = max(1, min(len(layers), self.logits_bytes // per_layer))
         dev = job.bt.device
-        source = ("fused", job.score_offset) if job.scores is not None else "graph" if job.stage is None else id(job.stage)
+        if job.scores is not None:  # the fused buffers' frames: written in the step, or scored here
+            source = ("fused" if job.scored_in_kernel else "fused-refresh", job.score_offset)
+        else:
+            source = "graph" if job.stage is None else id(job.stage)
         if job.scores is not None:
             assert job.scores[0].shape[1:] == (R, hkv, g, width), "fused score frames"
         key = (R, tuple(l.index for l in layers), source, job.bt.shape[1], width, kmax, sinks,
@@ -323,7 +351,7 @@ class StepRefresh:
             if len(self._entries) >= self.max_graphs:
                 self._drop(list(self._entries)[: len(self._entries) - self.max_graphs + 1])
             n_logits, n_norms = chunk * R * hkv * g * width, chunk * R * hkv * width
-            if job.scores is not None:  # the uniform launch wrote them: no scratch
+            if job.scores is not None:  # the fused frames (the uniform launch writes them, or the body): no scratch
                 logits, norms = job.scores
             else:
                 scratch = self.scratch(n_logits + n_norms, dev)
@@ -363,17 +391,18 @@ class StepRefresh:
             for c0 in range(0, len(layers), chunk):
                 part = range(c0, min(c0 + chunk, len(layers)))
                 nc = len(part)
-                if job.scores is not None:  # fused: every layer's scores are in place
-                    lg, nm = entry.logits[c0:c0 + nc].flatten(0, 1), entry.norms[c0:c0 + nc].flatten(0, 1)
-                else:
+                # the fused frames hold every layer; the scratch the chunk's layers
+                first = c0 if job.scores is not None else 0
+                if not (job.scores is not None and job.scored_in_kernel):  # else in place already
                     for i, li in enumerate(part):
                         if job.stage is not None:
                             q = job.stage[layers[li].index]
                         else:  # slow_in_graph: the rows' queries from the layer's own stage
                             q = torch.index_select(layers[li].stage, 0, entry.rows)
                         slow_step_scores(q, job.kv[li][0], entry.bt, entry.seq, width, scale,
-                                         out=(entry.logits[i], entry.norms[i]))
-                    lg, nm = entry.logits[:nc].flatten(0, 1), entry.norms[:nc].flatten(0, 1)
+                                         out=(entry.logits[first + i], entry.norms[first + i]))
+                lg = entry.logits[first:first + nc].flatten(0, 1)
+                nm = entry.norms[first:first + nc].flatten(0, 1)
                 cnt, bud = entry.counts[: nc * R], entry.budgets[: nc * R]
                 if fused:
                     sel = top_k(selector_scores(selector.cfg, lg, nm, lo, cnt), lo, bud, kmax)
@@ -398,7 +427,7 @@ class StepRefresh:
             self.captures += 1
             log_capture("the per-step refresh's", self.captures, time.perf_counter() - t0,
                         f"{R} slow rows, a {width}-token frame, {len(layers)} layers, scores "
-                        f"{'fused' if job.scores is not None else 'from the stage'}, "
+                        f"{source[0] if job.scores is not None else 'from the stage'}, "
                         f"{len(self._entries)} graphs kept")
         else:
             body()

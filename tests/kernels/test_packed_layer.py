@@ -136,7 +136,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                      seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
-                     top_k="torch", keys=False):
+                     top_k="torch", keys=False, keys_in_kernel=False):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
@@ -145,7 +145,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the refresh reads them instead of running the score kernel. ``top_k``: ``experimental.selector_top_k`` of
     the graph step's engine (the reference's is torch's). ``keys`` (``slow_attention: keys``): from
     the second step on the slow rows attend through the sets they have (against the reference
-    layers' eager fast path over the same sets) and are scored by the keys-only pass."""
+    layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
+    (``keys_in_kernel``: by the fast-step kernel's keys-only pass)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
@@ -162,7 +163,9 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
-                                              "fused_scores_tokens": tokens, "experimental": {"selector_top_k": top_k}}],
+                                              "fused_scores_tokens": tokens,
+                                              "experimental": {"selector_top_k": top_k, "keys_only_scores":
+                                                               "fast_kernel" if keys_in_kernel else "refresh"}}],
                                             hq, hkv, d, dtype, device, layers)
     ctl.executor.step_refresh = StepRefresh(capture_after=2)
     ctl.executor.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
@@ -225,9 +228,15 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert not ctl.executor.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n)
     sr = ctl.executor.step_refresh
-    assert any(key[2] == ("fused", 0) for key in sr._entries) == fused, "fused scores used" 
+    sources = {key[2] for key in sr._entries}
+    assert (("fused", 0) in sources) == fused, "scores from the kernel (the dense first step's at least)"
+    assert (("fused-refresh", 0) in sources) == (fused and keys and not keys_in_kernel and steps > 1), \
+        "keys-only rows scored by the refresh into the fused frames"
     if device == "cuda":
-        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
+        # the dense first step and the keys-only steps: two graphs when only the former's scores are in the frames
+        two = fused and keys and steps > 1 and not keys_in_kernel
+        want = (2, 1, steps - 3) if two else (1, 1, steps - 2)
+        assert (sr.eager_runs, sr.captures, sr.replays) == want, (sr.eager_runs, sr.captures, sr.replays)
     return 0.0
 
 
@@ -269,11 +278,15 @@ def test_step_refresh(device, dtype, kw):
          id="fused-triton_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True),
          id="fused-keys-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
+                                    keys_in_kernel=True),
+         id="fused-keys_in_kernel-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, **over), id=name + shape_id(dtype, **shape),
            selection=dtype == torch.bfloat16 and "top_k" not in over)
       for dtype, shape in GPU
       for name, over in (("unfused-torch_top_k-", {}), ("fused-torch_top_k-", dict(fused=True)),
                          ("unfused-triton_top_k-", dict(top_k="triton")), ("fused-keys-", dict(fused=True, keys=True)),
+                         ("fused-keys_in_kernel-", dict(fused=True, keys=True, keys_in_kernel=True)),
                          ("unfused-keys-", dict(keys=True)))),
 ])
 def test_graph_slow(device, dtype, kw):
