@@ -78,11 +78,13 @@ class ExperimentalConfig(BaseModel):
     )
     keys_only_scores: Literal["refresh", "fast_kernel"] = Field(
         "refresh",
-        description="GPU kernel path, keys-only slow rows (slow_attention keys) of a step inside a "
-        "CUDA graph, with fused score buffers: the refresh after the step scores their keys with the "
-        "score kernel, into the fused buffers (refresh, default), or the fast-step kernel does, in a "
-        "pass over the keys after each row's attention (fast_kernel: on the attention's few programs "
-        "per row, about half the GPU's bandwidth; benchmarks/results/fused-scores-h200.md)",
+        description="GPU kernel path, slow steps of requests with slow_attention keys inside a CUDA "
+        "graph, with fused score buffers: the refresh after the step scores their rows' keys with the "
+        "score kernel, into the fused buffers (refresh, default; a first selection, which attends "
+        "densely, too), or the fast-step kernel does, in a pass over the keys after each row's "
+        "attention (fast_kernel: on the attention's few programs per row, at about half the GPU's "
+        "bandwidth, and far slower when one row of a batch is scored; "
+        "benchmarks/results/fused-scores-h200.md)",
     )
     synthetic_acceptance: bool = Field(
         False,
@@ -362,9 +364,10 @@ class EngineSettings(_SettingsModel):
     fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
         "auto",
         description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
-        "kernel also writes the dense slow rows' logits and key norms (from the keys their attention "
-        "reads anyway), so the refresh after the step runs no score kernel for them; keys-only slow "
-        "rows (slow_attention keys) are scored into the same buffers (experimental.keys_only_scores). "
+        "kernel also writes the slow rows' logits and key norms where they attend densely "
+        "(slow_attention dense: from the keys their attention reads anyway), so the refresh after the "
+        "step runs no score kernel for them; with slow_attention keys the refresh scores into the same "
+        "buffers (experimental.keys_only_scores), with no scratch. "
         "The value sizes the buffer, allocated at "
         "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
         "step that needs more scores them in a second pass, as with 0 (logged once, counted in "

@@ -234,7 +234,16 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, score_row_tables
 
     cfg = {"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "boundary_token_ids": [7], "sinks": 4, "recent_window": 64,
-           "selected_tokens": 128, "fused_scores_tokens": 8192}
+           "selected_tokens": 128, "fused_scores_tokens": 8192, "slow_attention": "dense"}
+    # slow_attention keys (the default): the same frames, scored by the refresh after the step,
+    # so the fast-step kernel's tables score no row
+    keys = SFIController(build_config({**cfg, "slow_attention": "keys"}, use_env=False),
+                         fake_vllm_config(cfg, max_num_seqs=4))
+    executor_for(keys).graph_slow_ready = True
+    keys.executor.fused_scores = FusedScoreBuffers.allocate(8192, 3, 6, 2, "cpu")
+    p = keys.plan_step(["a", "c"], np.array([1, 1]), np.array([1000, 2500]), [1000, 2500], torch.tensor([1, 1]))
+    assert p.graph_slow and p.score_layout == {(keys.cfg.selector, 4, False): (0, 4096, False)}
+    assert score_row_tables(p, 3)[0].tolist() == [-1, -1, -1]
     ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
     executor = executor_for(ctl)  # as the CUDA impl attaches it
     executor.graph_slow_ready = True
@@ -244,7 +253,7 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     # sinks), a frame of 4096 tokens (the larger context rounded up to 2048) for each row
     p = ctl.plan_step(["a", "c"], np.array([1, 1]), np.array([1000, 2500]), [1000, 2500], torch.tensor([1, 1]))
     assert p.graph_slow and p.context == [1001, 2501]
-    assert p.score_layout == {(ctl.cfg.selector, 4, False): (0, 4096, True)}  # dense rows: scored in the kernel
+    assert p.score_layout == {(ctl.cfg.selector, 4, True): (0, 4096, True)}  # slow_attention dense: the kernel scores
     # base, layer stride and width per row; a padding row past the batch has base -1
     assert score_row_tables(p, 3).tolist() == [[0, 4096, -1], [8192, 8192, 0], [4096, 4096, 0]]
     logits, norms = executor.fused_scores.views(0, 2, 4096)

@@ -81,8 +81,7 @@ class CudaExecutor:
         return True
 
     def _score_layout(self, plan) -> dict | None:
-        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores,
-                                   keys_in_kernel=self.cfg.experimental.keys_only_scores == "fast_kernel")
+        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
         if layout is None:
             if self.fused_score_misses == 0:
                 logger.warning(

@@ -32,11 +32,12 @@ and the refresh skips the score kernel. A dense slow row writes them from the ke
 reads (the keys read once per slow step instead of twice; measured on the H200:
 benchmarks/results/e2e-h200.md). A keys-only slow row (``slow_attention: keys``) reads its keys
 for the scores alone, so nothing is saved by reading them inside the fast-step kernel: by default
-(``experimental.keys_only_scores: refresh``) the refresh scores its group with the score kernel,
-into the group's frames of the same buffers (no scratch while serving), and the step attends for
-it as for a fast row. The score kernel's grid covers every tile of every row, where the fast-step
-kernel's pass (``fast_kernel``) runs on the few programs of the attention's splits (a handful per
-row and KV head) and reads the keys at about half the GPU's bandwidth
+(``experimental.keys_only_scores: refresh``) the refresh scores the slow rows of such requests
+with the score kernel, into their frames of the same buffers (no scratch while serving), and the
+step attends for a keys-only row as for a fast row (:func:`scored_in_kernel`). The score kernel's
+grid covers every tile of every row, where the fast-step kernel's pass (``fast_kernel``) runs on
+the few programs of the attention's splits (a handful per row and KV head) and reads the keys at
+about half the GPU's bandwidth, far less when one row of a batch is scored
 (benchmarks/results/fused-scores-h200.md).
 """
 
@@ -74,17 +75,26 @@ LOGITS_BYTES = 256 << 20
 AUTO_MAX_TOKENS = 1 << 19
 
 
+def scored_in_kernel(cfg) -> bool:
+    """Whether the fast-step kernel writes the fused scores of a slow row with this config inside
+    the step (else the refresh after the step scores it into the same frames). With
+    ``slow_attention: keys`` every slow row of the request is scored after the step, its first
+    selection (which attends densely) included, so that a request's slow steps share one
+    refresh graph per shape; the first selection's keys are then read twice, once per request."""
+    return cfg.slow_attention == "dense" or cfg.experimental.keys_only_scores == "fast_kernel"
+
+
 def graph_slow_groups(plan) -> dict[tuple, list[int]]:
     """The slow rows of a plan whose step runs as a uniform step, grouped as their refreshes run:
-    by Selector setting, sink count and whether they are keys-only (``slow_attention: keys``), in
-    row order."""
+    by Selector setting, sink count and whether the kernel scores them (:func:`scored_in_kernel`),
+    in row order."""
     from sfi_vllm.trigger import StepMode
 
     assert plan.geometry is not None
     groups: dict[tuple, list[int]] = {}
     for r in plan.rows(StepMode.SLOW):
-        keys_only = plan.keys_only is not None and plan.keys_only[r]
-        groups.setdefault((plan.configs[r].selector, plan.geometry[r].sinks, keys_only), []).append(r)
+        cfg = plan.configs[r]
+        groups.setdefault((cfg.selector, plan.geometry[r].sinks, scored_in_kernel(cfg)), []).append(r)
     return groups
 
 
@@ -130,16 +140,15 @@ class FusedScoreBuffers:
                     self.layers, rows, self.kv_heads, width))
 
 
-def plan_score_frames(groups: dict[tuple, list[int]], context: list[int], buffers: FusedScoreBuffers,
-                      keys_in_kernel: bool = False) -> dict[tuple, ScoreFrame] | None:
-    """Each group's :class:`ScoreFrame` in the fused score buffers, or None if the groups' frames
-    (every row's context rounded up to the Selector's frame width, for every layer) do not fit.
-    A group of dense slow rows is scored in the kernel; a keys-only group (its key's last item) in
-    the kernel only with ``keys_in_kernel`` (``experimental.keys_only_scores: fast_kernel``)."""
+def plan_score_frames(groups: dict[tuple, list[int]], context: list[int],
+                      buffers: FusedScoreBuffers) -> dict[tuple, ScoreFrame] | None:
+    """Each group's :class:`ScoreFrame` in the fused score buffers (groups of
+    :func:`graph_slow_groups`), or None if the groups' frames (every row's context rounded up to
+    the Selector's frame width, for every layer) do not fit."""
     layout, offset = {}, 0
     for key, rows in groups.items():
         width = SlowStepSelection.frame_width(max(context[r] for r in rows))
-        layout[key] = ScoreFrame(offset, width, in_kernel=keys_in_kernel or not key[-1])
+        layout[key] = ScoreFrame(offset, width, in_kernel=key[-1])
         offset += buffers.layers * len(rows) * width
     return layout if offset <= buffers.tokens * buffers.layers else None
 

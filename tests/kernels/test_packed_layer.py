@@ -142,7 +142,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
     outputs against dense attention. On CUDA the later steps replay the refresh graph. ``fused``
     (``fused_scores_tokens``): the kernel also writes the slow rows' logits and key norms, and
-    the refresh reads them instead of running the score kernel. ``top_k``: ``experimental.selector_top_k`` of
+    the refresh reads them instead of running the score kernel (``slow_attention: dense``; with
+    ``keys`` the refresh scores into them). ``top_k``: ``experimental.selector_top_k`` of
     the graph step's engine (the reference's is torch's). ``keys`` (``slow_attention: keys``): from
     the second step on the slow rows attend through the sets they have (against the reference
     layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
@@ -157,7 +158,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from test_sfi_layer import plan_for
 
     n = len(seq_lens)
-    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens)),
+            "slow_attention": "keys" if keys else "dense"}
     # fused: room for the step's frames (one group: every row gets the largest context rounded up
     # to 2048) and no more
     tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
@@ -228,15 +230,13 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert not ctl.executor.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n)
     sr = ctl.executor.step_refresh
+    # one source for every step (slow_attention keys: the dense first step's rows too are scored
+    # after the step), so one graph
     sources = {key[2] for key in sr._entries}
-    assert (("fused", 0) in sources) == fused, "scores from the kernel (the dense first step's at least)"
-    assert (("fused-refresh", 0) in sources) == (fused and keys and not keys_in_kernel and steps > 1), \
-        "keys-only rows scored by the refresh into the fused frames"
+    after = fused and keys and not keys_in_kernel
+    assert sources == ({("fused-refresh", 0)} if after else {("fused", 0)} if fused else {"graph"}), sources
     if device == "cuda":
-        # the dense first step and the keys-only steps: two graphs when only the former's scores are in the frames
-        two = fused and keys and steps > 1 and not keys_in_kernel
-        want = (2, 1, steps - 3) if two else (1, 1, steps - 2)
-        assert (sr.eager_runs, sr.captures, sr.replays) == want, (sr.eager_runs, sr.captures, sr.replays)
+        assert (sr.eager_runs, sr.captures, sr.replays) == (1, 1, steps - 2), (sr.eager_runs, sr.captures, sr.replays)
     return 0.0
 
 
