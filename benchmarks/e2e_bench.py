@@ -424,8 +424,12 @@ def main() -> int:
     request_variants = _named_json(args.request_variant, "--request-variant")
     if set(variants) & set(request_variants):
         raise SystemExit("--variant and --request-variant names must differ")
-    args.variants = list(variants) + list(request_variants) + (
-        [f"{v}_{r}" for v in variants for r in request_variants] if args.requests_on_variants else [])
+    combined = [f"{v}_{r}" for v in variants for r in request_variants] if args.requests_on_variants else []
+    taken = set(variants) | set(request_variants) | {f"{v}_probe" for v in variants} | {"sfi_probe"}
+    if set(combined) & taken or len(set(combined)) != len(combined):
+        raise SystemExit(f"--requests-on-variants: the names {sorted(set(combined) & taken) or combined} collide "
+                         "with other variants' figures; rename the variants")
+    args.variants = list(variants) + list(request_variants) + combined
     import subprocess
     import sys
 
@@ -440,6 +444,7 @@ def main() -> int:
             row["sfi_overrides"] = json.loads(args.sfi)
         if "sfi" in modes:
             row.update({f"{name}_overrides": over for name, over in request_variants.items()})
+        row.update({f"{name}_engine_settings": over for name, over in variants.items()})
     for k in keys:
         print(json.dumps(rows[k]), flush=True)
     for mode in modes:

@@ -224,8 +224,10 @@ class Policy(_SettingsModel):
         "request's first selection is shortened by an offset in [0, reuse_budget) derived from its "
         "context length at that selection, so that requests of different lengths that started "
         "together do not all run their budget's slow step on the same decode step (requests of equal "
-        "length keep one phase; later intervals are the full budget). Off by default: not shown to "
-        "be faster on the H200, where it was timed cold only (benchmarks/results/e2e-h200-default.md)",
+        "length keep one phase; later intervals are the full budget). Off by default: no faster on the "
+        "H200, warm (2.21-2.23x dense's speed against 2.30-2.31x in lockstep at 16 x 16K, level at "
+        "8 x 32K and 6 x 128K: each row's refresh then runs on its own; "
+        "benchmarks/results/e2e-h200-keys-refresh.md); what it changes is which steps re-select",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
     dense_below_context: int = Field(
@@ -363,15 +365,15 @@ class EngineSettings(_SettingsModel):
     )
     fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
         "auto",
-        description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): the fast-step "
-        "kernel also writes the slow rows' logits and key norms where they attend densely "
-        "(slow_attention dense: from the keys their attention reads anyway), so the refresh after the "
-        "step runs no score kernel for them; with slow_attention keys the refresh scores into the same "
-        "buffers (experimental.keys_only_scores), with no scratch. "
+        description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): buffers for the "
+        "slow rows' logits and key norms. Rows of slow_attention dense requests: the fast-step kernel "
+        "writes them from the keys their attention reads anyway, so the refresh after the step runs no "
+        "score kernel for them; rows of slow_attention keys requests: the refresh's score kernel writes "
+        "them (experimental.keys_only_scores; fast_kernel: the fast-step kernel does), with no scratch. "
         "The value sizes the buffer, allocated at "
-        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
-        "step that needs more scores them in a second pass, as with 0 (logged once, counted in "
-        "fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
+        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); the "
+        "rows of a step that do not fit are scored in a second pass from a scratch buffer, as with 0 "
+        "(logged once, counted in fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
         "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
         "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
     )

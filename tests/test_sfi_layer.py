@@ -280,6 +280,37 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
     assert score_row_tables(p, 2)[0].tolist() == [-1, -1]
 
 
+def test_fused_score_frames_of_a_mixed_step_kernel_scored_groups_first():
+    """A uniform step with slow rows of slow_attention dense requests (scored by the fast-step
+    kernel) and of keys requests (scored by the refresh after the step): the kernel's group gets
+    the first frames and the only table entries; a group that no longer fits gets no frame (the
+    refresh scores it from its scratch) and the step is counted as a miss."""
+    from sfi_vllm.backends.step_refresh import FusedScoreBuffers, plan_score_frames, graph_slow_groups, score_row_tables
+
+    keys_cfg = build_config({"bridge_steps": 0, "boundary_token_ids": [7]}, use_env=False)
+    dense_cfg = build_config({"bridge_steps": 0, "boundary_token_ids": [7], "slow_attention": "dense"}, use_env=False)
+    plan = plan_for([StepMode.SLOW] * 4, cfg=keys_cfg, context=[3000, 1000, 5000, 900])
+    plan.configs = [keys_cfg, dense_cfg, keys_cfg, dense_cfg]
+    plan.keys_only = [True, False, True, False]
+    groups = graph_slow_groups(plan)
+    sel = keys_cfg.selector
+    assert groups == {(sel, 4, False): [0, 2], (sel, 4, True): [1, 3]}
+    layers = 2
+    # room for both: the kernel's group (2 rows x 2048 x 2 layers) first, then the keys group (2 x 6144 x 2)
+    both = FusedScoreBuffers.allocate(2 * 2048 + 2 * 6144, layers, 6, 2, "cpu")
+    layout, missed = plan_score_frames(groups, plan.context, both)
+    assert missed == 0 and layout == {(sel, 4, True): (0, 2048, True), (sel, 4, False): (8192, 6144, False)}
+    plan.score_layout = layout
+    assert score_row_tables(plan, 5).tolist() == [[-1, 0, -1, 2048, -1], [0, 4096, 0, 4096, 0],
+                                                  [0, 2048, 0, 2048, 0]]
+    # room for the kernel's group only: the keys group has no frame
+    small = FusedScoreBuffers.allocate(2 * 2048 + 6144, layers, 6, 2, "cpu")
+    layout, missed = plan_score_frames(groups, plan.context, small)
+    assert missed == 1 and layout == {(sel, 4, True): (0, 2048, True)}
+    plan.score_layout = layout
+    assert score_row_tables(plan, 4)[0].tolist() == [-1, 0, -1, 2048]
+
+
 def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_the_step():
     import numpy as np
 

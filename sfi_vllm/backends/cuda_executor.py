@@ -81,15 +81,17 @@ class CudaExecutor:
         return True
 
     def _score_layout(self, plan) -> dict | None:
-        layout = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
-        if layout is None:
+        """The groups' frames in the fused score buffers (None: no group got one); a step in which
+        some group got none is counted in ``fused_score_misses``."""
+        layout, missed = plan_score_frames(graph_slow_groups(plan), plan.context, self.fused_scores)
+        if missed:
             if self.fused_score_misses == 0:
                 logger.warning(
                     "sfi-vllm: a slow step's rows need more frame tokens than fused_scores_tokens (%d) "
-                    "holds; such steps score their slow rows in a second pass (counted in "
-                    "fused_score_misses)", self.fused_scores.tokens)
+                    "holds; the rows that do not fit are scored in a second pass, from a scratch "
+                    "buffer (counted in fused_score_misses)", self.fused_scores.tokens)
             self.fused_score_misses += 1
-        return layout
+        return layout or None
 
     def note_graph_slow(self, plan, block_table: torch.Tensor) -> None:
         """The metadata builder made a uniform step of a plan with slow rows: they are refreshed

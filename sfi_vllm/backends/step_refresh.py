@@ -33,7 +33,8 @@ reads (the keys read once per slow step instead of twice; measured on the H200:
 benchmarks/results/e2e-h200.md). A keys-only slow row (``slow_attention: keys``) reads its keys
 for the scores alone, so nothing is saved by reading them inside the fast-step kernel: by default
 (``experimental.keys_only_scores: refresh``) the refresh scores the slow rows of such requests
-with the score kernel, into their frames of the same buffers (no scratch while serving), and the
+with the score kernel, into their frames of the same buffers (no scratch while their frames
+fit, after those of the groups the kernel scores: :func:`plan_score_frames`), and the
 step attends for a keys-only row as for a fast row (:func:`scored_in_kernel`). The score kernel's
 grid covers every tile of every row, where the fast-step kernel's pass (``fast_kernel``) runs on
 the few programs of the attention's splits (a handful per row and KV head) and reads the keys at
@@ -141,16 +142,23 @@ class FusedScoreBuffers:
 
 
 def plan_score_frames(groups: dict[tuple, list[int]], context: list[int],
-                      buffers: FusedScoreBuffers) -> dict[tuple, ScoreFrame] | None:
+                      buffers: FusedScoreBuffers) -> tuple[dict[tuple, ScoreFrame], int]:
     """Each group's :class:`ScoreFrame` in the fused score buffers (groups of
-    :func:`graph_slow_groups`), or None if the groups' frames (every row's context rounded up to
-    the Selector's frame width, for every layer) do not fit."""
-    layout, offset = {}, 0
-    for key, rows in groups.items():
+    :func:`graph_slow_groups`), and how many groups got none. A group's frames are every row's
+    context rounded up to the Selector's frame width, for every layer. The groups the kernel
+    scores are laid out first (only they save a pass over the keys); then those the refresh
+    scores. A group that no longer fits gets no frame: the refresh scores it into its scratch."""
+    layout, offset, missed = {}, 0, 0
+    capacity = buffers.tokens * buffers.layers
+    for key, rows in sorted(groups.items(), key=lambda item: not item[0][-1]):  # stable: in-kernel first
         width = SlowStepSelection.frame_width(max(context[r] for r in rows))
+        need = buffers.layers * len(rows) * width
+        if offset + need > capacity:
+            missed += 1
+            continue
         layout[key] = ScoreFrame(offset, width, in_kernel=key[-1])
-        offset += buffers.layers * len(rows) * width
-    return layout if offset <= buffers.tokens * buffers.layers else None
+        offset += need
+    return layout, missed
 
 
 def score_row_tables(plan, rows: int) -> torch.Tensor:
@@ -162,9 +170,10 @@ def score_row_tables(plan, rows: int) -> torch.Tensor:
     if not layout:
         return out
     for key, group in graph_slow_groups(plan).items():
-        offset, width, in_kernel = layout[key]
-        if not in_kernel:
+        frame = layout.get(key)
+        if frame is None or not frame.in_kernel:
             continue
+        offset, width = frame.offset, frame.width
         for j, r in enumerate(group):
             out[:, r] = torch.tensor([offset + j * width, len(group) * width, width], dtype=torch.int32)
     return out
@@ -180,8 +189,8 @@ def refresh_per_step(mode: str, contexts: list[int], keys_only: bool = False) ->
 
 @dataclass
 class _Job:
-    """One group of slow rows of one step (one Selector setting and sink count), with the layers
-    that refresh it."""
+    """One group of slow rows of one step (one Selector setting and sink count; a uniform step's
+    groups also by whether the kernel scored them), with the layers that refresh it."""
     rows: tuple[int, ...]
     cfg: Any  # SFIConfig of the group's first row
     sinks: int

@@ -136,7 +136,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                      seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
-                     top_k="torch", keys=False, keys_in_kernel=False):
+                     top_k="torch", keys=False, keys_in_kernel=False, chunk_bytes=None):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
@@ -147,7 +147,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the graph step's engine (the reference's is torch's). ``keys`` (``slow_attention: keys``): from
     the second step on the slow rows attend through the sets they have (against the reference
     layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
-    (``keys_in_kernel``: by the fast-step kernel's keys-only pass)."""
+    (``keys_in_kernel``: by the fast-step kernel's keys-only pass). ``chunk_bytes``: the refresh's
+    logits budget (1: one layer per Selector call)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_tables
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
@@ -169,7 +170,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                                               "experimental": {"selector_top_k": top_k, "keys_only_scores":
                                                                "fast_kernel" if keys_in_kernel else "refresh"}}],
                                             hq, hkv, d, dtype, device, layers)
-    ctl.executor.step_refresh = StepRefresh(capture_after=2)
+    ctl.executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else
+                                                                 {"logits_bytes": chunk_bytes}))
     ctl.executor.graph_slow_ready = True  # as the CUDA impl sets it when its layers get query stages
     if fused:  # as the CUDA impl allocates them
         ctl.executor.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
@@ -276,8 +278,9 @@ def test_step_refresh(device, dtype, kw):
          id="unfused-torch_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=1, fused=True, top_k="triton"),
          id="fused-triton_top_k-" + shape_id(torch.float32, **CPU_SHAPE)),
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True),
-         id="fused-keys-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
+                                    chunk_bytes=1),
+         id="fused-keys-chunk1-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
                                     keys_in_kernel=True),
          id="fused-keys_in_kernel-" + shape_id(torch.float32, **CPU_SHAPE)),
