@@ -19,7 +19,8 @@ replays of a graph holding one call (``attn_timing.graph_time_us``):
 * ``keys1_us`` / ``scores1_us``: one keys-only slow row among the batch's fast rows (the others
   unscored; requests whose refreshes fall on different steps), scored by the fast-step kernel's
   pass at the default tile, and the score kernel on that row alone (what the refresh runs with
-  ``experimental.keys_only_scores: refresh``), checked like the others (``keys1_*``).
+  ``experimental.keys_only_scores: refresh``), checked like the others (``keys1_*``; and
+  ``keys1_others_untouched``: the other rows' frames are not written).
 The fused logits and norms are checked against the score kernel's (``logits_max_err``,
 ``norms_max_err``) and the attention output against the launch without scores (``same_output``).
 Prints one JSON object per point; writes fused-scores-h200.jsonl to DIR; exits 1 if a check fails.
@@ -138,7 +139,10 @@ def main() -> int:
         row["keys1_same_output"] = torch.equal(out, plain_fast)
         row["keys1_logits_max_err"] = (flg[0, ..., :ctx] - lg[0, ..., :ctx]).abs().max().item()
         row["keys1_norms_max_err"] = (fnm[0, ..., :ctx] - nm[0, ..., :ctx]).abs().max().item()
-        ok &= (row["keys1_same_output"] and row["keys1_logits_max_err"] < 1e-3 and row["keys1_norms_max_err"] < 1e-3)
+        # the other rows' frames are not written (they were filled with NaN)
+        row["keys1_others_untouched"] = bool(torch.isnan(flg[1:]).all().item() and torch.isnan(fnm[1:]).all().item())
+        ok &= (row["keys1_same_output"] and row["keys1_logits_max_err"] < 1e-3 and row["keys1_norms_max_err"] < 1e-3
+               and row["keys1_others_untouched"])
         row["keys1_us"] = round(graph_time_us(lambda: fast(one)), 1)
         row["scores1_us"] = round(graph_time_us(lambda: slow_step_scores(q[:1], kc, bt[:1], lens[:1], width, scale,
                                                                         out=(lg[:1], nm[:1]))), 1)
