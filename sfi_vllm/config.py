@@ -369,11 +369,12 @@ class EngineSettings(_SettingsModel):
         "slow rows' logits and key norms. Rows of slow_attention dense requests: the fast-step kernel "
         "writes them from the keys their attention reads anyway, so the refresh after the step runs no "
         "score kernel for them; rows of slow_attention keys requests: the refresh's score kernel writes "
-        "them (experimental.keys_only_scores; fast_kernel: the fast-step kernel does), with no scratch. "
+        "them (experimental.keys_only_scores; fast_kernel: the fast-step kernel does), with no scratch "
+        "while their frames fit. "
         "The value sizes the buffer, allocated at "
-        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); the "
-        "rows of a step that do not fit are scored in a second pass from a scratch buffer, as with 0 "
-        "(logged once, counted in fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
+        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
+        "group of a step's slow rows that does not fit is scored into a scratch buffer after the step, "
+        "as with 0 (logged once, counted in fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
         "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
         "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
     )

@@ -303,12 +303,22 @@ def test_fused_score_frames_of_a_mixed_step_kernel_scored_groups_first():
     plan.score_layout = layout
     assert score_row_tables(plan, 5).tolist() == [[-1, 0, -1, 2048, -1], [0, 4096, 0, 4096, 0],
                                                   [0, 2048, 0, 2048, 0]]
-    # room for the kernel's group only: the keys group has no frame
-    small = FusedScoreBuffers.allocate(2 * 2048 + 6144, layers, 6, 2, "cpu")
+    # room for either group alone: the kernel's gets it, the keys group has no frame (the refresh
+    # scores it from its scratch), and the executor counts the step as a miss
+    from sfi_vllm.backends.cuda_executor import CudaExecutor
+
+    small = FusedScoreBuffers.allocate(2 * 6144, layers, 6, 2, "cpu")
     layout, missed = plan_score_frames(groups, plan.context, small)
     assert missed == 1 and layout == {(sel, 4, True): (0, 2048, True)}
-    plan.score_layout = layout
+    executor = CudaExecutor(keys_cfg)
+    executor.fused_scores = small
+    plan.score_layout = executor._score_layout(plan)
+    assert plan.score_layout == layout and executor.fused_score_misses == 1
     assert score_row_tables(plan, 4)[0].tolist() == [-1, 0, -1, 2048]
+    # room for nothing: no layout at all
+    tiny = FusedScoreBuffers.allocate(2048, layers, 6, 2, "cpu")
+    executor.fused_scores = tiny
+    assert executor._score_layout(plan) is None and executor.fused_score_misses == 2
 
 
 def test_slow_in_graph_plans_only_steps_whose_slow_rows_can_be_refreshed_after_the_step():

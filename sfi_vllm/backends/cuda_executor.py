@@ -88,8 +88,8 @@ class CudaExecutor:
             if self.fused_score_misses == 0:
                 logger.warning(
                     "sfi-vllm: a slow step's rows need more frame tokens than fused_scores_tokens (%d) "
-                    "holds; the rows that do not fit are scored in a second pass, from a scratch "
-                    "buffer (counted in fused_score_misses)", self.fused_scores.tokens)
+                    "holds; a group of slow rows that does not fit is scored into a scratch buffer "
+                    "after the step (counted in fused_score_misses)", self.fused_scores.tokens)
             self.fused_score_misses += 1
         return layout or None
 

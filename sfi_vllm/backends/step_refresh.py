@@ -80,8 +80,9 @@ def scored_in_kernel(cfg) -> bool:
     """Whether the fast-step kernel writes the fused scores of a slow row with this config inside
     the step (else the refresh after the step scores it into the same frames). With
     ``slow_attention: keys`` every slow row of the request is scored after the step, its first
-    selection (which attends densely) included, so that a request's slow steps share one
-    refresh graph per shape; the first selection's keys are then read twice, once per request."""
+    selection (which attends densely) included, so that in a batch of such requests every slow
+    step's refresh has the same body (one graph per shape); the first selection's keys are then
+    read twice, once per request."""
     return cfg.slow_attention == "dense" or cfg.experimental.keys_only_scores == "fast_kernel"
 
 
@@ -112,7 +113,8 @@ class ScoreFrame(NamedTuple):
 class FusedScoreBuffers:
     """The fused slow-step scores of every layer (``sfi.fused_scores_tokens``): flat float32
     logits (``tokens x layers x Hq``) and key norms (``tokens x layers x Hkv``), written by the
-    fast-step kernel (:class:`sfi_vllm.kernels.fast_decode.ScoreFrames`)."""
+    fast-step kernel (:class:`sfi_vllm.kernels.fast_decode.ScoreFrames`) for the groups it scores
+    and by the refresh's score kernel for the others."""
     logits: torch.Tensor
     norms: torch.Tensor
     tokens: int
