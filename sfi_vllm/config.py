@@ -389,6 +389,15 @@ class EngineSettings(_SettingsModel):
         "graph (part 6 of benchmarks/results/lossless-h200.md); false has not run with the verify "
         "step in a graph (0.26x without one, part 4)",
     )
+    drafter_kv: Literal["shared", "own"] = Field(
+        "shared",
+        description="sfi.mode lossless: where the drafter keeps its keys and values. shared "
+        "(default): the drafter reads the model's KV cache, which the model's dense passes wrote, "
+        "and writes only the tokens the model has not computed yet (the token just sampled and the "
+        "drafts, which the next verify overwrites), so the pool holds twice the tokens and the "
+        "drafter's context is the model's own. own: the drafter keeps a KV cache as large as the "
+        "model's and computes its own entries, as vLLM's draft_model method does (docs/lossless.md)",
+    )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     compact_memory_gib: float | None = Field(
         None, gt=0.0, le=1 << 20,

@@ -77,6 +77,10 @@ class StepPlan:
     # slow rows that attend through the compact set they already have, as fast rows do, and are
     # re-selected from their keys alone (``slow_attention: keys``); None: every slow row attends densely
     keys_only: list[bool] | None = None
+    # sfi.mode lossless with drafter_kv shared: the batch tokens whose keys and values a drafter
+    # pass writes into the model's cache (the first pass: each sampled row's token just sampled;
+    # the others are the model's, from its verify or prefill); None: every token the pass holds
+    kv_write_tokens: list[int] | None = None
     # each row's sinks, window start and K at its context (compact.RowGeometry), made once with
     # the plan from ``configs`` and ``context``, and read by every layer of the step; None while
     # ``context`` is None (the step's SFIStep then makes them from the metadata's lengths)

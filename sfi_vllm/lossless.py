@@ -65,8 +65,11 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
     modes = [int(StepMode.PREFILL)] * base.num_reqs
     reasons = [int(SlowReason.NONE)] * base.num_reqs
     query_tokens = None
+    kv_write_tokens = None
     stats = controller.stats
     if draft_index == 0:
+        if controller.cfg.drafter_kv == "shared":
+            kv_write_tokens = []  # the model computed every other token of this pass
         qsl = cam.query_start_loc_cpu.tolist()
         slot_mapping = cam.slot_mapping[: qsl[n]].tolist()
         query_tokens = list(qsl[:base.num_reqs])
@@ -81,6 +84,8 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
             if base.drafted[i] > 0:  # the row held drafts: the tokens before `last` past the first were accepted
                 stats.record_accepted(base.req_ids[i], last - start - 1)
             query_tokens[i], context[i] = last, context[i] - pad
+            if kv_write_tokens is not None:
+                kv_write_tokens.append(last)
             cfg = base.configs[i]
             slot = base.slots[i]
             since = controller.verified_since_selection[slot]
@@ -112,5 +117,5 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
     return StepPlan(
         num_reqs=base.num_reqs, req_ids=base.req_ids, slots=base.slots, generations=base.generations,
         modes=modes, reasons=reasons, refresh_all=[True] * base.num_reqs, slow_counts=[0] * base.num_reqs,
-        configs=base.configs, context=context, query_tokens=query_tokens,
+        configs=base.configs, context=context, query_tokens=query_tokens, kv_write_tokens=kv_write_tokens,
     )

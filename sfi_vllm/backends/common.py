@@ -63,6 +63,9 @@ class SFIStep:
     # padding). None: one token per fast row, row_token
     row_first: list[int] | None = None
     row_end: list[int] | None = None
+    # a drafter pass with drafter_kv shared: the tokens whose keys and values it writes
+    # (plan.kv_write_tokens on the device); None: every token
+    kv_write_idx: torch.Tensor | None = None
 
 
 @dataclass
@@ -164,6 +167,8 @@ def make_step(
         row_first=qsl[:-1],
         row_end=qsl[1:],
     )
+    if plan.kv_write_tokens is not None:
+        step.kv_write_idx = tensor_to_device(plan.kv_write_tokens, cam.slot_mapping.device)
     if fast and kernel:
         sub, tok = subset_common_metadata(cam, kernel, seq_lens)
         step.kernel_metadata = build_kernel_metadata(sub)
@@ -554,7 +559,9 @@ class SFIBuilderMixin:
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
-        if uniform and self._build_uniform(meta, cam, plan, graph_rows):
+        meta.sfi_planned = plan is not None
+        # a pass that writes only some of its tokens (drafter_kv shared) is never a uniform one
+        if uniform and (plan is None or plan.kv_write_tokens is None) and self._build_uniform(meta, cam, plan, graph_rows):
             return meta
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))
@@ -610,6 +617,20 @@ class SFIImplMixin:
         """``slow_in_graph``: the persistent buffer the uniform launch copies queries into."""
         return None
 
+    def _write_drafter_kv(self, layer, key, value, kv_cache, index: torch.Tensor | None) -> None:
+        """Write ``key`` and ``value`` (the tokens at ``index``; None: all) into the model's cache
+        at the slots vLLM mapped for this drafter layer (sfi_vllm.patches.drafter_kv)."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        slots = get_attention_context(layer.layer_name)[3]
+        if slots is None or key is None or value is None or not kv_cache.numel():
+            return
+        if index is not None:
+            if not index.numel():
+                return
+            key, value, slots = key[index], value[index], slots[index]
+        self.do_kv_cache_update(layer, key, value, kv_cache, slots)  # type: ignore[attr-defined]
+
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:  # per platform
         raise NotImplementedError
 
@@ -626,13 +647,18 @@ class SFIImplMixin:
                 self.sfi.kv is None or self.sfi.kv[0].data_ptr() != kv_cache.data_ptr()):
             self.sfi.kv = self._paged(kv_cache).nhd_views()  # the caches vLLM bound to this layer
         uniform = getattr(attn_metadata, "sfi_uniform", None)
+        step = getattr(attn_metadata, "sfi", None)
+        if getattr(layer, "kv_sharing_target_layer_name", None) is not None and getattr(attn_metadata, "sfi_planned", False):
+            # a drafter layer reading the model's cache (sfi.drafter_kv shared): vLLM skipped the
+            # write; the pass writes only the tokens the model has not computed (a run without a
+            # plan, profiling or warm-up, writes nothing: vLLM writes no shared layer's cache there)
+            self._write_drafter_kv(layer, key, value, kv_cache, None if step is None else step.kv_write_idx)
         if uniform is not None:  # one decode token per row, all rows in one fixed-shape launch
             if output_scale is not None or output_block_scale is not None:
                 raise NotImplementedError("sfi-vllm: fused output quantization is not supported")
             self.sfi.fast_uniform(uniform, self._paged(kv_cache), query.view(-1, self.num_heads, self.head_size),
                                   output.view(-1, self.num_heads, self.head_size), self._workspace())
             return output
-        step = getattr(attn_metadata, "sfi", None)
         if step is None:  # profiling / warm-up / capture run: nothing planned, all rows dense
             return dense(layer, query, key, value, kv_cache, attn_metadata, output,
                          output_scale, output_block_scale)

@@ -45,6 +45,7 @@ class SFICpuBackend(SFIBackendMixin, CPUAttentionBackend):
 @dataclass
 class SFICpuMetadata(CPUAttentionMetadata):
     sfi: SFIStep | None = None
+    sfi_planned: bool = False  # built for a planned step (not profiling, warm-up or capture)
 
 
 class SFICpuMetadataBuilder(SFIBuilderMixin, CPUAttentionMetadataBuilder):

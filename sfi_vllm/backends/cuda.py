@@ -112,6 +112,7 @@ class SFIFlashBackend(SFIBackendMixin, FlashAttentionBackend):
 class SFIFlashMetadata(FlashAttentionMetadata):
     sfi: SFIStep | None = None
     sfi_uniform: FastRows | None = None
+    sfi_planned: bool = False  # built for a planned step (not profiling, warm-up or capture)
 
 
 class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
