@@ -92,6 +92,21 @@ def test_reselection_by_reuse_budget_keeps_the_output_and_drafts_fast_first_pass
         assert st["verify_steps"] < st["accepted_tokens"] < st["drafted_tokens"]
 
 
+def test_a_drafter_with_its_own_kv_cache_keeps_the_output_in_half_the_pool(model_dir, requests, dense, lossless):
+    """drafter_kv own (vLLM's draft_model layout) against shared (the default, the ``lossless``
+    fixture): both give dense's tokens; shared, the drafter's layers take no room in the pool, so
+    the same memory holds twice the blocks."""
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    short = [{**r, "max_tokens": 64} for r in requests[:2]]
+    own = _run(model_dir, short, attention_backend="sfi", sfi={**SMALL, "mode": "lossless", "drafter_kv": "own"},
+               engine={"speculative_config": spec})
+    for d, s in zip(dense["outputs"], own["outputs"]):
+        assert s["token_ids"] == d["token_ids"][:64]
+    assert abs(lossless["kv_cache_blocks"] - 2 * own["kv_cache_blocks"]) <= 2, (lossless["kv_cache_blocks"],
+                                                                              own["kv_cache_blocks"])
+    assert dense["kv_cache_blocks"] == lossless["kv_cache_blocks"]
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(additional_config={"sfi": {"mode": "lossless"}}), "add --speculative-config '{\"method\": \"draft_model\""),
     (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}), "only as sfi.mode lossless"),

@@ -187,7 +187,8 @@ def _run(job: EngineJob) -> dict[str, Any]:
     return dict(outputs=results, sfi_stats=stats, sfi_stats_by_rank=[r["stats"] for r in by_rank],
                 load_s=t_load, generate_s=t_gen, skipped=skipped, flow=flow_info,
                 vllm_version=vllm.__version__, sfi_config=config, boundary_enders=boundary,
-                boundary_skips=skips, collected=collected)
+                boundary_skips=skips, collected=collected,
+                kv_cache_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
 
 
 def _output_record(o: Any) -> dict[str, Any]:
