@@ -251,7 +251,8 @@ class Policy(_SettingsModel):
         "(the drafter's first pass over the verified tokens attends densely and re-selects at the "
         "last one). reuse_budget: once reuse_budget tokens have been verified since its last "
         "selection; the first passes in between are fast steps, which saves a dense pass per verify "
-        "and computes the drafter's KV of the verified tokens sparsely (docs/lossless.md)",
+        "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely; "
+        "docs/lossless.md)",
     )
 
     # Selection.

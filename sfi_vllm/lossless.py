@@ -8,7 +8,8 @@ Per engine step, in this order:
    tokens drafted for it, and vLLM's rejection sampler keeps the longest prefix the model agrees
    with plus one token of its own (:meth:`SFIController._plan_verify` plans it);
 2. the drafter's first pass over the same rows, each extended by the token just sampled, with the
-   rejected drafts as padding, writing the drafter's KV: dense, its last real token's query
+   rejected drafts as padding, writing the drafter's KV (with ``drafter_kv: shared`` only the
+   token just sampled: the model wrote the others, :mod:`sfi_vllm.patches.drafter_kv`): dense, its last real token's query
    re-selecting every layer's compact set (a slow step, reason ``verify``); or, with
    ``draft_reselect: reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified
    since the last selection, a fast step for each of its real tokens;
