@@ -69,28 +69,41 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
     kv_write_tokens = None
     stats = controller.stats
     if draft_index == 0:
-        if controller.cfg.drafter_kv == "shared":
-            kv_write_tokens = []  # the model computed every other token of this pass
+        # drafter_kv shared: one token per row, the token just sampled (sfi_vllm.patches.drafter_kv);
+        # otherwise vLLM's layout: each row's verified tokens, the token just sampled, padding
         qsl = cam.query_start_loc_cpu.tolist()
-        slot_mapping = cam.slot_mapping[: qsl[n]].tolist()
-        query_tokens = list(qsl[:base.num_reqs])
+        one_token = qsl[n] == n
+        if one_token:
+            if not all(base.sampled[:base.num_reqs]):  # a prefill chunk's token is the model's to compute
+                kv_write_tokens = [i for i in range(base.num_reqs) if base.sampled[i]]
+        else:
+            slot_mapping = cam.slot_mapping[: qsl[n]].tolist()
+            query_tokens = list(qsl[:base.num_reqs])
+            if controller.cfg.drafter_kv == "shared":
+                kv_write_tokens = []  # the model computed every other token of this pass
         for i in range(base.num_reqs):
             if not base.sampled[i]:
                 continue  # a prefill chunk that samples nothing: nothing is drafted from it
-            start, end = qsl[i], qsl[i + 1]
-            pad = 0
-            while end - 1 - pad > start and slot_mapping[end - 1 - pad] == PADDING_SLOT:
-                pad += 1
-            last = end - 1 - pad  # the token just sampled: the drafts continue from it
-            if base.drafted[i] > 0:  # the row held drafts: the tokens before `last` past the first were accepted
-                stats.record_accepted(base.req_ids[i], last - start - 1)
-            query_tokens[i], context[i] = last, context[i] - pad
-            if kv_write_tokens is not None:
-                kv_write_tokens.append(last)
+            if one_token:
+                # the model's step held the row's last token and its drafts (base.context); the
+                # pass's length counts the kept ones and the token just sampled
+                verified = context[i] - (base.context[i] - base.drafted[i] - 1) - 1
+            else:
+                start, end = qsl[i], qsl[i + 1]
+                pad = 0
+                while end - 1 - pad > start and slot_mapping[end - 1 - pad] == PADDING_SLOT:
+                    pad += 1
+                last = end - 1 - pad  # the token just sampled: the drafts continue from it
+                query_tokens[i], context[i] = last, context[i] - pad
+                if kv_write_tokens is not None:
+                    kv_write_tokens.append(last)
+                verified = last - start
+            # verified: the accepted drafts and the token just sampled
+            if base.drafted[i] > 0:  # the row held drafts
+                stats.record_accepted(base.req_ids[i], verified - 1)
             cfg = base.configs[i]
             slot = base.slots[i]
             since = controller.verified_since_selection[slot]
-            verified = last - start  # the accepted drafts and the token just sampled
             if cfg.policy in ("dense", "quest"):
                 modes[i] = int(StepMode.DENSE)  # no compact set to make (quest selects per step)
             elif cfg.draft_reselect == "reuse_budget" and since >= 0 and since + verified < cfg.reuse_budget:

@@ -149,6 +149,7 @@ def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fas
     plan = plan_draft(ctl, cam, 0)
     assert plan.modes == [StepMode.SLOW, StepMode.SLOW] and plan.reasons == [SlowReason.VERIFY] * 2
     assert plan.query_tokens == [2, 11]  # the sampled token of each row
+    assert plan.kv_write_tokens == [2, 11]  # drafter_kv shared: the model computed the others
     assert plan.context == [104, 307]  # up to and including it
     assert plan.geometry == [RowGeometry.at(c, n) for c, n in zip(plan.configs, [104, 307])]  # at that context
     assert plan.refresh_all == [True, True]
@@ -162,6 +163,57 @@ def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fas
     st = ctl.stats.get("a")
     assert (st.slow_steps, st.fast_steps, dict(st.slow_reasons)) == (1, 1, {"verify": 1})
     assert st.acceptance_length == 2.0  # one accepted draft + the model's own token per verify
+
+
+def test_a_one_token_first_pass_counts_the_kept_drafts_from_its_lengths():
+    """drafter_kv shared: the first pass holds each row's token just sampled alone
+    (sfi_vllm.patches.drafter_kv.one_token_first_pass); its length tells how many drafts were kept.
+    A prefill chunk that samples nothing writes nothing: the model computes that token."""
+    ctl = _controller()
+    ids = ["a", "b", "c"]
+    z = torch.zeros(3, dtype=torch.long)
+    ctl.plan_step(ids, np.array([100, 300, 50]), np.array([0, 0, 0]), [100, 300, 200], z)
+    ctl.plan_step(ids, np.array([5, 5, 50]), np.array([101, 301, 50]), [100, 300, 200], z)
+    # a kept 1 of its 4 drafts, b all 4: lengths 101 + 1 + 1 + 1 and 301 + 1 + 4 + 1
+    cam = _CAM(num_reqs=3, seq_lens=torch.tensor([104, 307, 101]), query_start_loc_cpu=torch.tensor([0, 1, 2, 3]),
+               slot_mapping=torch.tensor([13, 26, 40]))
+    plan = plan_draft(ctl, cam, 0)
+    assert plan.modes == [StepMode.SLOW, StepMode.SLOW, StepMode.PREFILL]
+    assert plan.query_tokens is None and plan.context == [104, 307, 101]
+    assert plan.kv_write_tokens == [0, 1]
+    assert (ctl.stats.get("a").accepted_tokens, ctl.stats.get("b").accepted_tokens) == (1, 4)
+    cam1 = _CAM(num_reqs=3, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1, 2, 3]),
+                slot_mapping=torch.tensor([14, 27, 41]))
+    plan1 = plan_draft(ctl, cam1, 1)
+    assert plan1.context[:2] == [105, 308] and plan1.kv_write_tokens is None
+
+
+def test_the_one_token_first_pass_places_each_sampled_token_after_its_last_kept_one():
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from sfi_vllm.patches.drafter_kv import PADDING_SLOT, one_token_first_pass
+
+    block = 4
+    proposer = SimpleNamespace(input_ids=torch.zeros(16, dtype=torch.int32), positions=torch.zeros(16, dtype=torch.long),
+                               arange=torch.arange(17, dtype=torch.int32), max_model_len=12, block_size=block)
+    proposer._set_positions = lambda n, p: proposer.positions[:n].copy_(p)
+    # the model's step: row 0 verified 3 tokens at positions 5-7 (one draft rejected), row 1 three at
+    # 9-11 (none rejected: its token just sampled would sit at 12, past max_model_len)
+    positions = torch.tensor([5, 6, 7, 9, 10, 11])
+    cad = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32), query_start_loc_cpu=torch.tensor([0, 3, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 12], dtype=torch.int32), num_reqs=2, num_actual_tokens=6, max_query_len=3,
+        max_seq_len=12, block_table_tensor=torch.tensor([[3, 1, 0], [2, 5, 7]], dtype=torch.int32),
+        slot_mapping=torch.arange(6), _seq_lens_cpu=torch.tensor([8, 12], dtype=torch.int32))
+    n, sample, new = one_token_first_pass(proposer, torch.tensor([70, 71]), positions, cad, torch.tensor([1, 0]))
+    assert n == 2 and sample.tolist() == [0, 1]
+    assert proposer.input_ids[:2].tolist() == [70, 71]
+    assert proposer.positions[:2].tolist() == [7, 12]  # after the last kept token
+    # row 0: position 7 in its block 1 (id 1) -> slot 1*4 + 3; row 1: past max_model_len -> padding
+    assert new.slot_mapping.tolist() == [7, PADDING_SLOT]
+    assert new.seq_lens.tolist() == [8, 12] and new.max_query_len == 1 and new.num_actual_tokens == 2
+    assert new.query_start_loc.tolist() == [0, 1, 2] and new.query_start_loc_cpu.tolist() == [0, 1, 2]
+    assert new.seq_lens_cpu.tolist() == [8, 12]  # recomputed from the new lengths, not the model step's
 
 
 def test_a_draft_past_the_longest_context_runs_densely():
