@@ -248,8 +248,8 @@ class Policy(_SettingsModel):
     draft_reselect: Literal["verify", "reuse_budget"] = Field(
         "verify",
         description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "
-        "(the drafter's first pass over the verified tokens attends densely and re-selects at the "
-        "last one). reuse_budget: once reuse_budget tokens have been verified since its last "
+        "(the drafter's first pass attends densely and re-selects at the token just sampled). "
+        "reuse_budget: once reuse_budget tokens have been verified since its last "
         "selection; the first passes in between are fast steps, which saves a dense pass per verify "
         "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely; "
         "docs/lossless.md)",
@@ -396,7 +396,8 @@ class EngineSettings(_SettingsModel):
         "(default): the drafter reads the model's KV cache, which the model's dense passes wrote, "
         "and writes only the tokens the model has not computed yet (the token just sampled and the "
         "drafts, which the next verify overwrites), so the pool holds twice the tokens and the "
-        "drafter's context is the model's own. own: the drafter keeps a KV cache as large as the "
+        "drafter's context is the model's own; its first pass then runs the token just sampled alone "
+        "(one token per row). own: the drafter keeps a KV cache as large as the "
         "model's and computes its own entries, as vLLM's draft_model method does (docs/lossless.md)",
     )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)

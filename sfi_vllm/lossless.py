@@ -7,12 +7,13 @@ Per engine step, in this order:
 1. the model's step: every row dense; a decode row holds the last sampled token and the ``k``
    tokens drafted for it, and vLLM's rejection sampler keeps the longest prefix the model agrees
    with plus one token of its own (:meth:`SFIController._plan_verify` plans it);
-2. the drafter's first pass over the same rows, each extended by the token just sampled, with the
-   rejected drafts as padding, writing the drafter's KV (with ``drafter_kv: shared`` only the
-   token just sampled: the model wrote the others, :mod:`sfi_vllm.patches.drafter_kv`): dense, its last real token's query
+2. the drafter's first pass: with ``drafter_kv: shared`` each row's token just sampled alone (the
+   model wrote the verified tokens' KV, :mod:`sfi_vllm.patches.drafter_kv`); with ``own`` the same
+   rows as the model's step, each extended by the token just sampled, with the rejected drafts as
+   padding, writing the drafter's own KV. Dense, the token just sampled's query
    re-selecting every layer's compact set (a slow step, reason ``verify``); or, with
    ``draft_reselect: reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified
-   since the last selection, a fast step for each of its real tokens;
+   since the last selection, a fast step (for each of its real tokens with ``own``);
 3. ``k - 1`` drafter passes of one token per row: fast steps on that compact set and the recent
    window.
 
