@@ -73,11 +73,11 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
         # drafter_kv shared: one token per row, the token just sampled (sfi_vllm.patches.drafter_kv);
         # otherwise vLLM's layout: each row's verified tokens, the token just sampled, padding
         qsl = cam.query_start_loc_cpu.tolist()
+        # one token per row: every row's token sits at or past the row's computed length (a prefill
+        # chunk's next token too, which the model's next chunk rewrites before it attends), so the
+        # pass writes them all, as the later passes do
         one_token = qsl[n] == n
-        if one_token:
-            if not all(base.sampled[:base.num_reqs]):  # a prefill chunk's token is the model's to compute
-                kv_write_tokens = [i for i in range(base.num_reqs) if base.sampled[i]]
-        else:
+        if not one_token:
             slot_mapping = cam.slot_mapping[: qsl[n]].tolist()
             query_tokens = list(qsl[:base.num_reqs])
             if controller.cfg.drafter_kv == "shared":
@@ -88,7 +88,8 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
             if one_token:
                 # the model's step held the row's last token and its drafts (base.context); the
                 # pass's length counts the kept ones and the token just sampled
-                verified = context[i] - (base.context[i] - base.drafted[i] - 1) - 1
+                # (at least the token just sampled: at max_model_len the length is clamped)
+                verified = max(1, context[i] - (base.context[i] - base.drafted[i] - 1) - 1)
             else:
                 start, end = qsl[i], qsl[i + 1]
                 pad = 0

@@ -168,7 +168,8 @@ def test_drafter_first_pass_reselects_at_the_last_verified_token_then_drafts_fas
 def test_a_one_token_first_pass_counts_the_kept_drafts_from_its_lengths():
     """drafter_kv shared: the first pass holds each row's token just sampled alone
     (sfi_vllm.patches.drafter_kv.one_token_first_pass); its length tells how many drafts were kept.
-    A prefill chunk that samples nothing writes nothing: the model computes that token."""
+    Every row's token sits past what the model computed (a prefill chunk's next token too, which the
+    model's next chunk rewrites), so the pass writes them all."""
     ctl = _controller()
     ids = ["a", "b", "c"]
     z = torch.zeros(3, dtype=torch.long)
@@ -180,7 +181,7 @@ def test_a_one_token_first_pass_counts_the_kept_drafts_from_its_lengths():
     plan = plan_draft(ctl, cam, 0)
     assert plan.modes == [StepMode.SLOW, StepMode.SLOW, StepMode.PREFILL]
     assert plan.query_tokens is None and plan.context == [104, 307, 101]
-    assert plan.kv_write_tokens == [0, 1]
+    assert plan.kv_write_tokens is None
     assert (ctl.stats.get("a").accepted_tokens, ctl.stats.get("b").accepted_tokens) == (1, 4)
     cam1 = _CAM(num_reqs=3, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1, 2, 3]),
                 slot_mapping=torch.tensor([14, 27, 41]))
@@ -197,8 +198,8 @@ def test_the_one_token_first_pass_places_each_sampled_token_after_its_last_kept_
     proposer = SimpleNamespace(input_ids=torch.zeros(16, dtype=torch.int32), positions=torch.zeros(16, dtype=torch.long),
                                arange=torch.arange(17, dtype=torch.int32), max_model_len=12, block_size=block)
     proposer._set_positions = lambda n, p: proposer.positions[:n].copy_(p)
-    # the model's step: row 0 verified 3 tokens at positions 5-7 (one draft rejected), row 1 three at
-    # 9-11 (none rejected: its token just sampled would sit at 12, past max_model_len)
+    # the model's step: row 0 held tokens at positions 5-7 and kept 5-6 (the draft at 7 rejected),
+    # row 1 held 9-11 and kept all (its token just sampled would sit at 12, past max_model_len)
     positions = torch.tensor([5, 6, 7, 9, 10, 11])
     cad = CommonAttentionMetadata(
         query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32), query_start_loc_cpu=torch.tensor([0, 3, 6], dtype=torch.int32),
@@ -371,3 +372,61 @@ def test_the_models_verify_steps_take_flashattentions_cuda_graphs():
     assert lossless != AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     lossy = SFIFlashMetadataBuilder.get_cudagraph_support(fake_vllm_config({}), None)
     assert lossy == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_a_shared_drafter_layer_writes_only_the_tokens_its_pass_names(monkeypatch):
+    """SFIImplMixin._write_drafter_kv: the keys, values and slots of the tokens at the step's
+    kv_write_idx, nothing else (the model's verified entries stay the model's)."""
+    import vllm.model_executor.layers.attention.attention as attention
+
+    from sfi_vllm.backends.common import SFIImplMixin
+
+    slots = torch.tensor([10, 11, 12, 13])
+    monkeypatch.setattr(attention, "get_attention_context", lambda name: (None, None, None, slots))
+    writes = []
+    impl = SimpleNamespace(do_kv_cache_update=lambda layer, k, v, cache, s: writes.append((k, v, s)))
+    layer = SimpleNamespace(layer_name="draft_model.model.layers.0.self_attn.attn")
+    key, value, cache = torch.arange(8.).view(4, 1, 2), -torch.arange(8.).view(4, 1, 2), torch.zeros(1)
+    SFIImplMixin._write_drafter_kv(impl, layer, key, value, cache, torch.tensor([2]))
+    (k, v, s), = writes
+    assert s.tolist() == [12] and k.tolist() == [[[4., 5.]]] and v.tolist() == [[[-4., -5.]]]
+    writes.clear()
+    SFIImplMixin._write_drafter_kv(impl, layer, key, value, cache, torch.tensor([], dtype=torch.long))
+    assert writes == []
+    SFIImplMixin._write_drafter_kv(impl, layer, key, value, cache, None)  # a uniform pass: every token
+    assert writes[0][2].tolist() == [10, 11, 12, 13]
+
+
+def test_propose_hands_vllm_no_rejected_counts_and_the_first_pass_reads_them(monkeypatch):
+    """With the one-token first pass the lengths are already the real ones: vLLM's later passes
+    must not subtract the rejected drafts again (on the GPU the fast-step tables read those
+    lengths), so the wrapped propose passes None on and the first pass takes the counts."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from sfi_vllm.patches import drafter_kv
+
+    drafter_kv.install()
+    rejected = torch.tensor([1, 0])
+    seen = {}
+
+    import inspect
+
+    sig = inspect.signature(drafter_kv._ORIG["propose"])
+
+    def fake_propose(*a, **kw):
+        bound = sig.bind(*a, **kw).arguments
+        seen["passed_on"] = bound["num_rejected_tokens_gpu"]
+        seen["kept"] = getattr(bound["self"], "_sfi_rejected", None)
+        return "drafts"
+
+    monkeypatch.setitem(drafter_kv._ORIG, "propose", fake_propose)
+    proposer = SimpleNamespace(_sfi_one_token=True)
+    args = dict(num_speculative_tokens=4, target_token_ids=None, target_positions=None, target_hidden_states=None,
+                next_token_ids=None, token_indices_to_sample=None, common_attn_metadata=None,
+                sampling_metadata=None, num_rejected_tokens_gpu=rejected)
+    assert SpecDecodeBaseProposer.propose(proposer, **args) == "drafts"
+    assert seen["passed_on"] is None and seen["kept"] is rejected and proposer._sfi_rejected is None
+    # a proposer whose layers do not share (drafter_kv own) goes through untouched
+    own = SimpleNamespace(_sfi_one_token=False)
+    SpecDecodeBaseProposer.propose(own, **args)
+    assert seen["passed_on"] is rejected

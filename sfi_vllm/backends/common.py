@@ -648,7 +648,7 @@ class SFIImplMixin:
             self.sfi.kv = self._paged(kv_cache).nhd_views()  # the caches vLLM bound to this layer
         uniform = getattr(attn_metadata, "sfi_uniform", None)
         step = getattr(attn_metadata, "sfi", None)
-        if getattr(layer, "kv_sharing_target_layer_name", None) is not None and getattr(attn_metadata, "sfi_planned", False):
+        if getattr(layer, "_sfi_drafter_shared", False) and getattr(attn_metadata, "sfi_planned", False):
             # a drafter layer reading the model's cache (sfi.drafter_kv shared): vLLM skipped the
             # write; the pass writes only the tokens the model has not computed (a run without a
             # plan, profiling or warm-up, writes nothing: vLLM writes no shared layer's cache there)

@@ -44,6 +44,7 @@ import logging
 
 logger = logging.getLogger("sfi_vllm")
 _INSTALLED = False
+_ORIG: dict = {}  # vLLM's methods that the wrappers call (looked up per call: tests replace them)
 
 
 def drafter_targets(layer_names: list[str], drafter_names: set[str]) -> dict[str, str]:
@@ -74,12 +75,15 @@ def share_drafter_kv(runner) -> int:
     drafter = getattr(runner, "drafter", None)
     names = getattr(drafter, "_draft_attn_layer_names", None)
     if not names:
+        logger.warning("sfi-vllm: drafter_kv shared, but the runner's drafter has no attention layers to "
+                       "share: the drafter keeps its own KV cache")
         return 0
     config = runner.vllm_config
     layers = get_layers_from_vllm_config(config, Attention)
     targets = drafter_targets(list(layers), set(names))
     for name, target in targets.items():
         layer = layers[name]
+        layer._sfi_drafter_shared = True  # SFIImplMixin.forward writes this layer's new tokens itself
         if layer.kv_sharing_target_layer_name == target:
             continue
         mine, theirs = layer.get_kv_cache_spec(config), layers[target].get_kv_cache_spec(config)
@@ -175,8 +179,8 @@ def install() -> None:
 
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    orig_propose = SpecDecodeBaseProposer.propose
-    orig_first = SpecDecodeBaseProposer.set_inputs_first_pass
+    orig_propose = _ORIG["propose"] = SpecDecodeBaseProposer.propose
+    orig_first = _ORIG["set_inputs_first_pass"] = SpecDecodeBaseProposer.set_inputs_first_pass
     propose_sig = inspect.signature(orig_propose)
     first_sig = inspect.signature(orig_first)
     for sig, name in ((propose_sig, "num_rejected_tokens_gpu"), (first_sig, "next_token_ids"),
@@ -191,19 +195,19 @@ def install() -> None:
         if one is None:
             one = self._sfi_one_token = _one_token(self)
         if not one:
-            return orig_propose(self, *args, **kwargs)
+            return _ORIG["propose"](self, *args, **kwargs)
         bound = propose_sig.bind(self, *args, **kwargs)
         self._sfi_rejected = bound.arguments.get("num_rejected_tokens_gpu")
         bound.arguments["num_rejected_tokens_gpu"] = None  # the first pass's lengths are the real ones
         try:
-            return orig_propose(*bound.args, **bound.kwargs)
+            return _ORIG["propose"](*bound.args, **bound.kwargs)
         finally:
             self._sfi_rejected = None
 
     @functools.wraps(orig_first)
     def set_inputs_first_pass(self, *args, **kwargs):
         if not getattr(self, "_sfi_one_token", False):
-            return orig_first(self, *args, **kwargs)
+            return _ORIG["set_inputs_first_pass"](self, *args, **kwargs)
         a = first_sig.bind(self, *args, **kwargs).arguments
         if not _first_passes["one_token"]:
             logger.info("sfi-vllm: the drafter's first pass runs the token just sampled alone (drafter_kv shared)")
