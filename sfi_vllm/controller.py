@@ -78,8 +78,9 @@ class StepPlan:
     # re-selected from their keys alone (``slow_attention: keys``); None: every slow row attends densely
     keys_only: list[bool] | None = None
     # sfi.mode lossless with drafter_kv shared: the batch tokens whose keys and values a drafter
-    # pass writes into the model's cache (the first pass: each sampled row's token just sampled;
-    # the others are the model's, from its verify or prefill); None: every token the pass holds
+    # pass writes into the model's cache (a first pass in vLLM's layout, which holds the verified
+    # tokens again: each sampled row's token just sampled; the others are the model's); None:
+    # every token the pass holds (a one-token first pass, the later passes)
     kv_write_tokens: list[int] | None = None
     # each row's sinks, window start and K at its context (compact.RowGeometry), made once with
     # the plan from ``configs`` and ``context``, and read by every layer of the step; None while
