@@ -131,6 +131,9 @@ class SFIController:
         # ... and the wrapper of the drafter's model once it exists (its captures, replays and
         # piecewise passes: what a benchmark reports)
         self.drafter_graph_wrapper: Any = None
+        # ... and the proposer whose propose call is running (the first pass's build asks it
+        # for vLLM's padding of the pass)
+        self.drafter_proposer: Any = None
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against

@@ -68,6 +68,8 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
     reasons = [int(SlowReason.NONE)] * base.num_reqs
     query_tokens = None
     kv_write_tokens = None
+    keys_only = [False] * base.num_reqs
+    one_token = False
     stats = controller.stats
     if draft_index == 0:
         # drafter_kv shared: one token per row, the token just sampled (sfi_vllm.patches.drafter_kv);
@@ -115,6 +117,10 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
                 controller.verified_since_selection[slot] = since + verified
             else:
                 modes[i], reasons[i] = int(StepMode.SLOW), int(SlowReason.VERIFY)
+                # slow_attention keys, one token per row: a row with a set drafts its first token
+                # from it while the pass scores the keys for the next set (a first selection, or
+                # vLLM's layout of several tokens per row, attends densely)
+                keys_only[i] = one_token and since >= 0 and cfg.slow_attention == "keys"
                 controller.verified_since_selection[slot] = 0
             stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
     else:
@@ -130,8 +136,15 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
             dense = base.configs[i].policy == "dense"
             modes[i] = int(StepMode.DENSE if dense else StepMode.FAST)
             stats.record_step(base.req_ids[i], modes[i], reasons[i], context[i])
-    return StepPlan(
+    plan = StepPlan(
         num_reqs=base.num_reqs, req_ids=base.req_ids, slots=base.slots, generations=base.generations,
         modes=modes, reasons=reasons, refresh_all=[True] * base.num_reqs, slow_counts=[0] * base.num_reqs,
         configs=base.configs, context=context, query_tokens=query_tokens, kv_write_tokens=kv_write_tokens,
+        keys_only=keys_only if any(keys_only) else None,
     )
+    slow = plan.rows(StepMode.SLOW)
+    if one_token and slow and controller.executor is not None:
+        # the kernel path: the re-selecting rows may run inside the pass's CUDA graph (one token
+        # per row, as the later passes), refreshed from the staged queries before the next pass
+        controller.executor.plan(plan, slow)
+    return plan

@@ -21,7 +21,7 @@ def _controller(over=LOSSLESS):
     return SFIController(build_config({**over, "boundary_token_ids": [7]}), fake_vllm_config(over))
 
 
-def test_only_the_second_decision_of_a_propose_call_is_full():
+def test_the_later_passes_run_full_graphs_and_the_first_pass_only_with_its_tables():
     from vllm.config import CUDAGraphMode
 
     from sfi_vllm.patches.drafter_graphs import DrafterGraphs, decide
@@ -30,7 +30,7 @@ def test_only_the_second_decision_of_a_propose_call_is_full():
     model = object()
     proposer = SimpleNamespace(model=model, _sfi_decisions=0, method="draft_model")
     pw = CUDAGraphMode.PIECEWISE
-    assert decide(proposer, ctl, pw, 24, None) == (pw, 24, None)  # the first pass
+    assert decide(proposer, ctl, pw, 24, None) == (pw, 24, None)  # the first pass: its build made no tables
     assert decide(proposer, ctl, pw, 8, None) == (CUDAGraphMode.FULL, 8, None)  # the later passes
     assert isinstance(proposer.model, DrafterGraphs) and proposer.model.runnable is model
     assert ctl.draft_graph_rows == 8
@@ -50,6 +50,45 @@ def test_only_the_second_decision_of_a_propose_call_is_full():
     assert decide(later(), tp2, pw, 8, None)[0] == pw
     off = _controller({**LOSSLESS, "drafter_graphs": False})
     assert decide(later(), off, pw, 8, None)[0] == pw
+
+
+def test_a_one_token_first_pass_asks_vllms_padding_and_then_runs_its_graph():
+    """vLLM builds the first pass's metadata before it decides how to run it: the build asks the
+    proposer's dispatcher for the padding (one token per row only), and the decision is full when
+    the build made the graph's tables for that many rows."""
+    from vllm.config import CUDAGraphMode
+
+    from sfi_vllm.patches.drafter_graphs import DrafterGraphs, decide, first_pass_graph_rows
+
+    pw, full = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+    ctl = _controller()
+    modes = {"mode": pw}
+    dispatcher = SimpleNamespace(dispatch=lambda n: (modes["mode"], SimpleNamespace(num_tokens=-(-n // 5) * 5)))
+    proposer = SimpleNamespace(model=object(), _sfi_decisions=0, method="draft_model", cudagraph_dispatcher=dispatcher)
+    one = SimpleNamespace(max_query_len=1, num_actual_tokens=8, num_reqs=8)
+    assert first_pass_graph_rows(ctl, one) is None  # outside a propose call
+    ctl.drafter_proposer = proposer
+    assert first_pass_graph_rows(ctl, one) == 10
+    several = SimpleNamespace(max_query_len=3, num_actual_tokens=20, num_reqs=8)  # vLLM's layout
+    assert first_pass_graph_rows(ctl, several) is None
+    modes["mode"] = CUDAGraphMode.NONE  # vLLM runs no graph for this size
+    assert first_pass_graph_rows(ctl, one) is None
+    modes["mode"] = pw
+    # the build made no tables (an eager pass), or tables for another size: piecewise
+    assert decide(proposer, ctl, pw, 10, None)[0] == pw
+    proposer._sfi_decisions = 0
+    ctl.draft_graph = (5, (1, 2, 3))
+    assert decide(proposer, ctl, pw, 10, None)[0] == pw
+    proposer._sfi_decisions = 0
+    ctl.draft_graph = (10, (1, 2, 3))
+    assert decide(proposer, ctl, pw, 10, None) == (full, 10, None)
+    assert isinstance(proposer.model, DrafterGraphs) and ctl.draft_graph_rows is None
+    assert first_pass_graph_rows(ctl, one) is None  # past the first decision
+    # then the later passes' decision, as before
+    assert decide(proposer, ctl, pw, 10, None)[0] == full and ctl.draft_graph_rows == 10
+    off = _controller({**LOSSLESS, "drafter_graphs": False})
+    off.drafter_proposer = SimpleNamespace(**{**vars(proposer), "_sfi_decisions": 0})
+    assert first_pass_graph_rows(off, one) is None
 
 
 def _builder(ctl, rows=8):

@@ -189,6 +189,32 @@ def test_a_one_token_first_pass_counts_the_kept_drafts_from_its_lengths():
     assert plan1.context[:2] == [105, 308] and plan1.kv_write_tokens is None
 
 
+@pytest.mark.parametrize("slow_attention", ["keys", "dense"])
+def test_a_one_token_first_pass_reselects_from_the_keys_once_a_row_has_a_set(slow_attention):
+    """slow_attention keys: the first pass's re-selecting rows draft through the set they have and
+    score the keys for the next (a first selection attends densely); dense: always densely. vLLM's
+    layout of several tokens per row (drafter_kv own) attends densely either way."""
+    over = {**LOSSLESS, "slow_attention": slow_attention}
+    keys = []
+    for one_token in (True, False):
+        ctl = SFIController(build_config({**over, "boundary_token_ids": [7]}), fake_vllm_config(over))
+        z = torch.zeros(2, dtype=torch.long)
+        ctl.plan_step(["a", "b"], np.array([100, 300]), np.array([0, 0]), [100, 300], z)
+        for ctx in ((101, 301), (106, 306)):
+            ctl.plan_step(["a", "b"], np.array([5, 5]), np.array(ctx), [100, 300], z)
+            if one_token:
+                cam = _CAM(num_reqs=2, seq_lens=torch.tensor([ctx[0] + 5, ctx[1] + 5]),
+                           query_start_loc_cpu=torch.tensor([0, 1, 2]), slot_mapping=torch.tensor([1, 2]))
+            else:
+                cam = _CAM(num_reqs=2, seq_lens=torch.tensor([ctx[0] + 5, ctx[1] + 5]),
+                           query_start_loc_cpu=torch.tensor([0, 6, 12]), slot_mapping=torch.arange(12))
+            plan = plan_draft(ctl, cam, 0)
+            assert plan.modes == [StepMode.SLOW] * 2
+            keys.append(plan.keys_only)
+    on_set = [True, True] if slow_attention == "keys" else None
+    assert keys == [None, on_set, None, None]
+
+
 def test_the_one_token_first_pass_places_each_sampled_token_after_its_last_kept_one():
     from vllm.v1.attention.backend import CommonAttentionMetadata
 

@@ -535,18 +535,23 @@ class SFIBuilderMixin:
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         """A drafter pass (vLLM speculative decoding; sfi.mode lossless): planned from the model
         step's plan by :func:`sfi_vllm.lossless.plan_draft`. The previous pass's selections
-        staged for the per-step refresh run first: this pass's fast rows read them."""
+        (staged for the per-step refresh, or made inside its CUDA graph) run first: this pass's
+        fast rows read them."""
+        from sfi_vllm.patches.drafter_graphs import first_pass_graph_rows
+
         plan = None
         ctl = self.controller
         executor = ctl.executor
-        if executor is not None and executor.step_refresh.pending:
-            executor.step_refresh.flush(executor)
+        if executor is not None and executor.has_staged_work:
+            executor.finish(ctl.layers)
         ctl.draft_graph = None
         if ctl.lossless:
             from sfi_vllm.lossless import plan_draft
 
             plan = plan_draft(ctl, common_attn_metadata, draft_index)
-        graph_rows = ctl.draft_graph_rows if draft_index > 0 else None
+        # the padded batch of a pass run as a full CUDA graph (sfi.drafter_graphs); a first pass
+        # qualifies when it holds one token per row
+        graph_rows = ctl.draft_graph_rows if draft_index > 0 else first_pass_graph_rows(ctl, common_attn_metadata)
         return self._build(common_attn_metadata, True, plan, graph_rows=graph_rows)
 
     def _build(self, cam, fast_build: bool, plan: StepPlan | None, uniform: bool = True,

@@ -98,6 +98,12 @@ class CudaExecutor:
         when the step ends, from the queries the fast-step kernel staged."""
         self._graph_slow = (plan, block_table)
 
+    @property
+    def has_staged_work(self) -> bool:
+        """Refresh work of the step or drafter pass that just ran, not yet enqueued: a staged
+        per-step refresh, or slow rows that ran inside a uniform launch (:meth:`finish` runs it)."""
+        return self._graph_slow is not None or bool(self.step_refresh.pending)
+
     # -- the refresh stream -----------------------------------------------------------------------
     def refresh_stream(self, device: torch.device):
         """The CUDA stream slow steps' selection and repack run on, or None (inline): CPU, or

@@ -186,23 +186,60 @@ def not_served(controller) -> str | None:
     return None
 
 
+def _serves(proposer, ctl) -> bool:
+    """Inside a ``propose`` call of a ``draft_model`` proposer, with drafter graphs on."""
+    return (getattr(proposer, "_sfi_decisions", None) is not None and ctl is not None and _enabled(ctl)
+            and getattr(proposer, "method", None) == "draft_model")
+
+
 def decide(proposer, ctl, mode, padded: int, across_dp):
     """The proposer's batch-execution decision, given vLLM's (``mode``, ``padded``, ``across_dp``):
-    ``CUDAGraphMode.FULL`` for the passes after the first of a ``propose`` call (its second
-    decision) where vLLM chose piecewise graphs, with no data parallelism or breakable graphs; the
-    proposer's model is then wrapped in :class:`DrafterGraphs`."""
+    ``CUDAGraphMode.FULL`` where vLLM chose piecewise graphs, with no data parallelism or breakable
+    graphs, for
+
+    * the passes after the first of a ``propose`` call (its second decision), and
+    * the first pass (its first decision) when its metadata build made the graph's tables for
+      ``padded`` rows: one token per row (``drafter_kv: shared``), see :func:`first_pass_graph_rows`.
+      vLLM builds the first pass's metadata before it decides, the later passes' after.
+
+    The proposer's model is then wrapped in :class:`DrafterGraphs`."""
     from vllm.config import CUDAGraphMode
 
-    decisions = getattr(proposer, "_sfi_decisions", None)
-    if decisions is None or ctl is None or not _enabled(ctl) or getattr(proposer, "method", None) != "draft_model":
+    if not _serves(proposer, ctl):
         return mode, padded, across_dp
+    decisions = proposer._sfi_decisions
     proposer._sfi_decisions = decisions + 1
-    if decisions == 1 and mode == CUDAGraphMode.PIECEWISE and across_dp is None and not _breakable():
+    if mode != CUDAGraphMode.PIECEWISE or across_dp is not None or _breakable():
+        return mode, padded, across_dp
+    first = decisions == 0 and ctl.draft_graph is not None and ctl.draft_graph[0] == padded
+    if decisions == 1 or first:
         if not isinstance(proposer.model, DrafterGraphs):
             proposer.model = DrafterGraphs(proposer.model, ctl)
-        ctl.draft_graph_rows = padded  # the builder writes tables for this many rows
+        if decisions == 1:
+            ctl.draft_graph_rows = padded  # the builder writes tables for this many rows
         return CUDAGraphMode.FULL, padded, across_dp
     return mode, padded, across_dp
+
+
+def first_pass_graph_rows(ctl, cam) -> int | None:
+    """The padded batch of a drafter's first pass run as a full CUDA graph, asked by its metadata
+    build (which comes before vLLM's decision for it): vLLM's padding for the pass when the pass
+    holds one token per row and vLLM would run it in piecewise graphs; else None."""
+    proposer = getattr(ctl, "drafter_proposer", None)
+    if proposer is None or not _serves(proposer, ctl) or proposer._sfi_decisions != 0 or _breakable():
+        return None
+    if int(cam.max_query_len) != 1 or int(cam.num_actual_tokens) != int(cam.num_reqs):
+        return None
+    parallel = getattr(ctl.vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+        return None  # vLLM's decision would coordinate across ranks: not asked twice
+    from vllm.config import CUDAGraphMode
+
+    dispatcher = getattr(proposer, "cudagraph_dispatcher", None)
+    if dispatcher is None:
+        return None
+    mode, batch = dispatcher.dispatch(int(cam.num_reqs))
+    return int(batch.num_tokens) if mode == CUDAGraphMode.PIECEWISE else None
 
 
 def install() -> None:
@@ -219,13 +256,16 @@ def install() -> None:
     @functools.wraps(orig_propose)
     def propose(self, *args, **kwargs):
         self._sfi_decisions = 0  # the first decision is the first pass's, the second the later passes'
+        ctl = current_controller()
+        if ctl is not None:
+            ctl.drafter_proposer = self  # the first pass's metadata build asks for its padding
         try:
             return orig_propose(self, *args, **kwargs)
         finally:
             self._sfi_decisions = None
             ctl = current_controller()
             if ctl is not None:
-                ctl.draft_graph_rows = ctl.draft_graph = None
+                ctl.draft_graph_rows = ctl.draft_graph = ctl.drafter_proposer = None
 
     @functools.wraps(orig_determine)
     def _determine_batch_execution_and_padding(self, num_tokens, use_cudagraphs=True):

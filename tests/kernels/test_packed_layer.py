@@ -399,3 +399,127 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 ])
 def test_drafter_pass(device, dtype, kw):
     check_drafter_pass(device, dtype, **kw)
+
+
+def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
+                                     seq_lens=(3000, 900, 5000, 1400), layers=2, retention=0.15, keys=True):
+    """``sfi.mode lossless`` with one token per row in the drafter's first pass (``drafter_kv:
+    shared``): the pass that re-selects is a uniform launch, which the drafter's CUDA graph can
+    hold. :func:`~sfi_vllm.lossless.plan_draft` puts its slow rows inside the launch, the metadata
+    build makes the uniform tables, the fast-step kernel attends (densely at a request's first
+    selection; with ``slow_attention: keys`` then through the set it has) and stages the queries,
+    and the next pass's build runs the refresh. Against the reference layers' eager path over the
+    same queries: the slow rows' outputs, and the sets layer by layer. Two verify cycles: a first
+    selection, then a re-selection."""
+    from dataclasses import dataclass
+
+    import numpy as np
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    from sfi_vllm.attention_ref import dense_attention
+    from sfi_vllm.backends.common import FastRows, SFIStep, attach_fast_tables, make_step
+    from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
+    from sfi_vllm.backends.step_refresh import FusedScoreBuffers
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
+    from sfi_vllm.lossless import plan_draft
+    from sfi_vllm.tools.policies import policy_overrides
+    from sfi_vllm.trigger import StepMode
+    from test_sfi_layer import FakeCAM, plan_for
+
+    n = len(seq_lens)
+    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens)),
+            "slow_attention": "keys" if keys else "dense"}
+    tokens = n * -(-max(seq_lens) // 2048) * 2048
+    (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
+                                             {**base, "mode": "lossless", "slow_refresh": "per_step",
+                                              "slow_in_graph": True, "fused_scores_tokens": tokens}],
+                                            hq, hkv, d, dtype, device, layers)
+    ctl.executor.graph_slow_ready = True  # as the CUDA impl sets them up
+    ctl.executor.fused_scores = FusedScoreBuffers.allocate(tokens, layers, hq, hkv, device)
+
+    @dataclass
+    class Meta:  # the platform metadata's fields: none needed here
+        sfi: SFIStep | None = None
+        sfi_uniform: FastRows | None = None
+        sfi_planned: bool = False
+
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", lambda self, cpl, cam, fast_build=False: Meta())
+    builder = object.__new__(SFIFlashMetadataBuilder)
+    builder.metadata_cls = Meta
+    builder.controller = ctl
+    builder._uniform_ok = True
+    builder._row_tables = torch.zeros(5, n, dtype=torch.int32, device=device)
+    builder._graph_seq_lens, builder._graph_block_table = None, None
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+
+    paged, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=5)
+    pageds = [PagedKV(paged.kv_cache.clone(), "flash", d) for _ in range(layers)]
+    for layer, p in zip(stacks[1], pageds):
+        layer.stage = torch.full((n, hq, d), float("nan"), dtype=dtype, device=device)
+        layer.kv = p.nhd_views()
+    g = torch.Generator().manual_seed(17)
+
+    def one_token_cam(contexts):
+        ar = torch.arange(n + 1, dtype=torch.int32)
+        return FakeCAM(num_reqs=n, num_actual_tokens=n, max_query_len=1, query_start_loc_cpu=ar,
+                       query_start_loc=ar.to(device), seq_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+                       block_table_tensor=cam.block_table_tensor, slot_mapping=torch.arange(n, device=device))
+
+    ids = [f"r{i}" for i in range(n)]
+    z = torch.zeros(n, dtype=torch.long)
+    # contexts of the two first passes: every draft kept, 5 and then 4 tokens verified per cycle
+    first = [s - 5 for s in seq_lens]
+    prompt = [c - 6 for c in first]
+    ctl.plan_step(ids, np.array(prompt), np.zeros(n, dtype=np.int64), prompt, z)
+    for cycle, (computed, contexts) in enumerate(((prompt, first), (first, list(seq_lens)))):
+        ctl.plan_step(ids, np.full(n, 5), np.array(computed), prompt, z)  # the model's verify step
+        fcam = one_token_cam(contexts)
+        meta = builder.build_for_drafting(fcam, 0)
+        plan = ctl.draft_plans[0][1]
+        on_set = keys and cycle > 0
+        assert plan.modes == [StepMode.SLOW] * n and plan.graph_slow and not plan.needs_eager
+        assert plan.keys_only == ([True] * n if on_set else None)
+        assert meta.sfi is None and meta.sfi_uniform is not None and meta.sfi_planned
+        # the reference: the same pass as an eager slow step, refreshed per layer
+        ref_plan = plan_for([StepMode.SLOW] * n, cfg=ref_ctl.cfg, context=contexts)
+        ref_plan.generations = list(plan.generations)
+        ref_plan.keys_only = plan.keys_only
+        step = make_step(ref_plan, fcam, lambda s: None)
+        if on_set:
+            attach_fast_tables(step, fcam, ref_ctl)
+        for li in range(layers):
+            q = torch.randn(n, hq, d, generator=g).to(device, dtype)
+            want = torch.full_like(q, float("nan"))
+            if on_set:
+                stacks[0][li].fast(step, pageds[li], q, want)
+            else:
+                for r in range(n):
+                    kk, vv = pageds[li].gather_range(cam.block_table_tensor[r], 0, contexts[r])
+                    want[r] = dense_attention(q[r], kk, vv, d ** -0.5).to(dtype)
+            stacks[0][li].refresh(step, pageds[li], q, li)
+            out = torch.full_like(q, float("nan"))
+            stacks[1][li].fast_uniform(meta.sfi_uniform, pageds[li], q, out, ws)
+            assert torch.equal(stacks[1][li].stage[:n], q), "query staging"
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            assert err < 2e-2, (cycle, li, err)
+        ref_ctl.end_step()
+        ref_ctl.executor.join_refresh()
+        # the next pass's build runs the refresh of the rows that re-selected
+        assert ctl.executor.has_staged_work
+        builder.build_for_drafting(one_token_cam([c + 1 for c in contexts]), 1)
+        assert not ctl.executor.has_staged_work
+        ctl.executor.join_refresh()
+        assert ctl.draft_plans[1][1].modes == [StepMode.FAST] * n
+        assert_same_sets(stacks[0], stacks[1], n)
+        ctl.end_step()
+
+
+@pytest.mark.parametrize("device,dtype,kw", [
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS), id="keys-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, keys=False),
+         id="dense-" + shape_id(torch.float32, **CPU_SHAPE)),
+    *(case("cuda", dtype, dict(**shape, keys=keys), id=f"{'keys' if keys else 'dense'}-" + shape_id(dtype, **shape))
+      for dtype, shape in GPU[:2] for keys in (True, False)),
+])
+def test_drafter_first_pass_uniform(monkeypatch, device, dtype, kw):
+    check_drafter_first_pass_uniform(monkeypatch, device, dtype, **kw)
