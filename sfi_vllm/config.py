@@ -243,14 +243,16 @@ class Policy(_SettingsModel):
         "(no values: on the H200 a slow step of 0.90x a dense step at 6 x 128K, 1.28-1.71x at the "
         "other points measured, against 1.71-2.03x with dense; benchmarks/results/e2e-h200-keys.md); "
         "dense: the whole context (the paper's). The first selection after a prefill attends "
-        "densely either way; in sfi.mode lossless the drafter's re-selections attend densely",
+        "densely either way. In sfi.mode lossless this is the drafter's re-selecting first pass (one "
+        "token per row, drafter_kv shared; with own it attends densely): keys drafts its first token "
+        "from the previous set, dense drafts the model's own token (docs/lossless.md)",
     )
     draft_reselect: Literal["verify", "reuse_budget"] = Field(
         "verify",
         description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "
-        "(the drafter's first pass attends densely and re-selects at the token just sampled). "
-        "reuse_budget: once reuse_budget tokens have been verified since its last "
-        "selection; the first passes in between are fast steps, which saves a dense pass per verify "
+        "(the drafter's first pass re-selects at the token just sampled; slow_attention says what "
+        "that token attends to). reuse_budget: once reuse_budget tokens have been verified since its last "
+        "selection; the first passes in between are fast steps, which saves the re-selection per verify "
         "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely; "
         "docs/lossless.md)",
     )
@@ -383,12 +385,13 @@ class EngineSettings(_SettingsModel):
         True,
         description="sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run "
         "the drafter's one-token "
-        "passes as full CUDA graphs, one per padded batch size, each captured at its first use after "
-        "one piecewise run (a one-off pause; the graphs' memory is outside vLLM's KV-cache sizing). "
-        "vLLM 0.26 gives a drafter piecewise graphs only, and its eager passes are host-bound. On an "
-        "H200 at 8 x 32K: 0.77x dense with every one-token pass replayed and the verify step in a "
-        "graph (part 6 of benchmarks/results/lossless-h200.md); false has not run with the verify "
-        "step in a graph (0.26x without one, part 4)",
+        "passes (with drafter_kv shared the first pass too) as full CUDA graphs, one per padded batch "
+        "size, each captured at its first use after one piecewise run (a one-off pause; the graphs' "
+        "memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a drafter piecewise graphs only, "
+        "and its eager passes are host-bound. On an H200 at 8 x 32K: 1.13-1.19x dense with every pass "
+        "replayed, 0.83x with the first pass piecewise (parts 8 and 7 of "
+        "benchmarks/results/lossless-h200.md); false has not run with the verify step in a graph "
+        "(0.26x without one, part 4)",
     )
     drafter_kv: Literal["shared", "own"] = Field(
         "shared",

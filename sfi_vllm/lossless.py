@@ -10,10 +10,13 @@ Per engine step, in this order:
 2. the drafter's first pass: with ``drafter_kv: shared`` each row's token just sampled alone (the
    model wrote the verified tokens' KV, :mod:`sfi_vllm.patches.drafter_kv`); with ``own`` the same
    rows as the model's step, each extended by the token just sampled, with the rejected drafts as
-   padding, writing the drafter's own KV. Dense, the token just sampled's query
-   re-selecting every layer's compact set (a slow step, reason ``verify``); or, with
-   ``draft_reselect: reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified
-   since the last selection, a fast step (for each of its real tokens with ``own``);
+   padding, writing the drafter's own KV. The token just sampled's query re-selects every
+   layer's compact set (a slow step, reason ``verify``): one token per row with
+   ``slow_attention: keys`` and a set already made, the row attends through that set while the
+   keys are scored (a keys-only slow row, which the kernel path runs inside the pass's CUDA
+   graph, refreshed before the next pass); otherwise densely. Or, with ``draft_reselect:
+   reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified since the last
+   selection, a fast step (for each of its real tokens with ``own``);
 3. ``k - 1`` drafter passes of one token per row: fast steps on that compact set and the recent
    window.
 

@@ -18,7 +18,7 @@ LOSSLESS = {"mode": "lossless", "sinks": 4, "recent_window": 16, "selected_token
 
 
 def _controller(over=LOSSLESS):
-    return SFIController(build_config({**over, "boundary_token_ids": [7]}), fake_vllm_config(over))
+    return SFIController(build_config({**over, "boundary_token_ids": [7]}), fake_vllm_config(over, max_model_len=8192))
 
 
 def test_the_later_passes_run_full_graphs_and_the_first_pass_only_with_its_tables():

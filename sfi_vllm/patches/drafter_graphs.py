@@ -7,22 +7,28 @@ attention eagerly, and the lossless mode's drafter passes are host-bound (about 
 work per pass of a 36-layer model against about 4 ms of device work at 8 x 32K:
 benchmarks/results/lossless-h200.md). The SFI attention of a one-token drafter pass is the lossy
 mode's uniform launch, which reads device tables only. So the whole forward of passes 1..k-1 can
-be one CUDA graph per batch size.
+be one CUDA graph per batch size, and so can the first pass's where it holds one token per row
+(``drafter_kv: shared``): it uses the same input buffers, so it replays the same graph, with its
+re-selecting rows attending in the launch (``slow_in_graph``).
 
 Patched (vLLM 0.26.0, V1 ``GPUModelRunner``'s proposer):
 
-* ``SpecDecodeBaseProposer.propose``: notes that its next batch-execution decision after the first
-  pass's is the one for passes 1..k-1;
-* ``SpecDecodeBaseProposer._determine_batch_execution_and_padding``: for that decision returns
-  ``CUDAGraphMode.FULL`` (where vLLM chose piecewise graphs and runs no data parallelism), and
-  wraps the proposer's model in :class:`DrafterGraphs` the first time.
+* ``SpecDecodeBaseProposer.propose``: counts its batch-execution decisions (the first is the first
+  pass's, the second the one for passes 1..k-1) and lets the first pass's metadata build reach
+  the proposer (``controller.drafter_proposer``): vLLM builds that pass's metadata before it
+  decides, so the build asks vLLM's dispatcher for the padding itself (:func:`first_pass_graph_rows`);
+* ``SpecDecodeBaseProposer._determine_batch_execution_and_padding``: returns ``CUDAGraphMode.FULL``
+  for the later passes, and for the first pass when its build made the graph's tables (where vLLM
+  chose piecewise graphs and runs no data parallelism), and wraps the proposer's model in
+  :class:`DrafterGraphs` the first time.
 
 Each pass's metadata build (``SFIBuilderMixin.build_for_drafting``) then writes the uniform tables
 for every row of the padded batch at fixed addresses and reports it (``controller.draft_graph``);
 :class:`DrafterGraphs` replays the graph captured for that batch size, captures it the first time
 after one piecewise run of that size (an eager run and the capture on side streams, the garbage
 collector off, in a private memory pool), and runs the pass piecewise when the build could not
-serve it (a Quest-style row, or buffers that moved more than ``MAX_RECAPTURES`` times). A capture
+serve it (a Quest-style row, a slow row that cannot run inside the graph, or buffers that moved
+more than ``MAX_RECAPTURES`` times). A capture
 happens in the middle of serving (a one-off pause per batch size, with a device synchronisation);
 its memory is not in vLLM's KV-cache sizing. Not under tensor, pipeline or data parallelism
 (logged at start-up: :func:`not_served`). The tokens stay the model's:
