@@ -130,7 +130,7 @@ def main() -> int:
                 if mode == "lossless":
                     rec["acceptance_length"] = [s["acceptance_length"] for s in st]
                     rec["accepted_of_drafted"] = [f'{s["accepted_tokens"]}/{s["drafted_tokens"]}' for s in st]
-                    # the drafter's dense first passes (re-selections) against the verify steps
+                    # the drafter's re-selecting first passes (slow steps) against the verify steps
                     rec["reselections_of_verifies"] = [f'{s["slow_steps"]}/{s["verify_steps"]}' for s in st]
                     acc = sum(s["accepted_tokens"] for s in st)
                     ver = sum(s["verify_steps"] for s in st)

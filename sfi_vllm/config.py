@@ -389,7 +389,7 @@ class EngineSettings(_SettingsModel):
         "size, each captured at its first use after one piecewise run (a one-off pause; the graphs' "
         "memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a drafter piecewise graphs only, "
         "and its eager passes are host-bound. On an H200 at 8 x 32K: 1.13-1.19x dense with every pass "
-        "replayed, 0.83x with the first pass piecewise (parts 8 and 7 of "
+        "replayed, 0.83x with vLLM's multi-token first pass, dense and piecewise (parts 8 and 7 of "
         "benchmarks/results/lossless-h200.md); false has not run with the verify step in a graph "
         "(0.26x without one, part 4)",
     )

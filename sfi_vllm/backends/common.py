@@ -542,7 +542,12 @@ class SFIBuilderMixin:
         plan = None
         ctl = self.controller
         executor = ctl.executor
-        if executor is not None and executor.has_staged_work:
+        # a drafter whose layers fall into several attention groups builds each pass once per
+        # group: only the first build of a pass runs what earlier passes staged (a later group's
+        # would run this pass's own slow rows before its forward staged their queries)
+        cached = ctl.draft_plans.get(draft_index)
+        again = ctl.current_plan is not None and cached is not None and cached[0] is ctl.current_plan
+        if executor is not None and executor.has_staged_work and not again:
             executor.finish(ctl.layers)
         ctl.draft_graph = None
         if ctl.lossless:

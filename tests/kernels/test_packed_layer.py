@@ -6,6 +6,8 @@ The ``selection``-marked cases are those a change to the Selector or its setting
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -448,8 +450,19 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     builder.metadata_cls = Meta
     builder.controller = ctl
     builder._uniform_ok = True
-    builder._row_tables = torch.zeros(5, n, dtype=torch.int32, device=device)
-    builder._graph_seq_lens, builder._graph_block_table = None, None
+    # the drafter's graph pads the batch by one row (drafter_graphs): the build asks vLLM's
+    # dispatcher for the padding, and the tables it makes then serve the graph's decision
+    padded = n + 1
+    builder._row_tables = torch.zeros(5, padded, dtype=torch.int32, device=device)
+    builder._graph_seq_lens = torch.zeros(padded, dtype=torch.int32, device=device)
+    builder._graph_block_table = None
+    from vllm.config import CUDAGraphMode
+
+    from sfi_vllm.patches.drafter_graphs import decide
+
+    dispatcher = SimpleNamespace(dispatch=lambda rows: (CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=rows + 1)))
+    proposer = SimpleNamespace(model=object(), method="draft_model", cudagraph_dispatcher=dispatcher)
+    ctl.drafter_proposer = proposer
     ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
 
     paged, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=5)
@@ -474,8 +487,16 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     for cycle, (computed, contexts) in enumerate(((prompt, first), (first, list(seq_lens)))):
         ctl.plan_step(ids, np.full(n, 5), np.array(computed), prompt, z)  # the model's verify step
         fcam = one_token_cam(contexts)
+        proposer._sfi_decisions = 0  # what the propose wrapper sets
         meta = builder.build_for_drafting(fcam, 0)
         plan = ctl.draft_plans[0][1]
+        assert ctl.draft_graph is not None and ctl.draft_graph[0] == padded and meta.sfi_uniform.rows == padded
+        assert decide(proposer, ctl, CUDAGraphMode.PIECEWISE, padded, None)[0] == CUDAGraphMode.FULL
+        # a second attention group's build of the same pass runs nothing staged: the pass's own
+        # slow rows are refreshed after its forward
+        runs = ctl.executor.graph_runs()
+        builder.build_for_drafting(fcam, 0)
+        assert ctl.executor.has_staged_work and ctl.executor.graph_runs() == runs
         on_set = keys and cycle > 0
         assert plan.modes == [StepMode.SLOW] * n and plan.graph_slow and not plan.needs_eager
         assert plan.keys_only == ([True] * n if on_set else None)
