@@ -131,9 +131,9 @@ class SFIController:
         # ... and the wrapper of the drafter's model once it exists (its captures, replays and
         # piecewise passes: what a benchmark reports)
         self.drafter_graph_wrapper: Any = None
-        # ... and the proposer whose propose call is running (the first pass's build asks it
-        # for vLLM's padding of the pass)
-        self.drafter_proposer: Any = None
+        # ... and, while a propose call runs, what gives the first pass's padded batch when it
+        # runs as a full graph (cam -> rows or None; the first pass's build asks it)
+        self.first_pass_rows: Any = None
         self.slot_cfg = [cfg] * self.num_slots
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against

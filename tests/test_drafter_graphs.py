@@ -66,13 +66,13 @@ def test_a_one_token_first_pass_asks_vllms_padding_and_then_runs_its_graph():
     dispatcher = SimpleNamespace(dispatch=lambda n: (modes["mode"], SimpleNamespace(num_tokens=-(-n // 5) * 5)))
     proposer = SimpleNamespace(model=object(), _sfi_decisions=0, method="draft_model", cudagraph_dispatcher=dispatcher)
     one = SimpleNamespace(max_query_len=1, num_actual_tokens=8, num_reqs=8)
-    assert first_pass_graph_rows(ctl, one) is None  # outside a propose call
-    ctl.drafter_proposer = proposer
-    assert first_pass_graph_rows(ctl, one) == 10
+    outside = SimpleNamespace(**{**vars(proposer), "_sfi_decisions": None})
+    assert first_pass_graph_rows(ctl, outside, one) is None  # outside a propose call
+    assert first_pass_graph_rows(ctl, proposer, one) == 10
     several = SimpleNamespace(max_query_len=3, num_actual_tokens=20, num_reqs=8)  # vLLM's layout
-    assert first_pass_graph_rows(ctl, several) is None
+    assert first_pass_graph_rows(ctl, proposer, several) is None
     modes["mode"] = CUDAGraphMode.NONE  # vLLM runs no graph for this size
-    assert first_pass_graph_rows(ctl, one) is None
+    assert first_pass_graph_rows(ctl, proposer, one) is None
     modes["mode"] = pw
     # the build made no tables (an eager pass), or tables for another size: piecewise
     assert decide(proposer, ctl, pw, 10, None)[0] == pw
@@ -83,12 +83,11 @@ def test_a_one_token_first_pass_asks_vllms_padding_and_then_runs_its_graph():
     ctl.draft_graph = (10, (1, 2, 3))
     assert decide(proposer, ctl, pw, 10, None) == (full, 10, None)
     assert isinstance(proposer.model, DrafterGraphs) and ctl.draft_graph_rows is None
-    assert first_pass_graph_rows(ctl, one) is None  # past the first decision
+    assert first_pass_graph_rows(ctl, proposer, one) is None  # past the first decision
     # then the later passes' decision, as before
     assert decide(proposer, ctl, pw, 10, None)[0] == full and ctl.draft_graph_rows == 10
     off = _controller({**LOSSLESS, "drafter_graphs": False})
-    off.drafter_proposer = SimpleNamespace(**{**vars(proposer), "_sfi_decisions": 0})
-    assert first_pass_graph_rows(off, one) is None
+    assert first_pass_graph_rows(off, SimpleNamespace(**{**vars(proposer), "_sfi_decisions": 0}), one) is None
 
 
 def _builder(ctl, rows=8):

@@ -63,9 +63,8 @@ def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
     assert len(stats) == 3
     for st in stats:
         assert st["verify_steps"] > 0 and st["drafted_tokens"] == SPEC_TOKENS * st["verify_steps"]
-        # each verify's first draft comes from the drafter's dense first pass; of the sparse
-        # drafts after it some were kept and some rejected (where the lossy mode, drafting alone,
-        # would have parted from dense)
+        # some drafts were kept and some rejected (where the lossy mode, drafting alone, would
+        # have parted from dense)
         assert st["verify_steps"] < st["accepted_tokens"] < st["drafted_tokens"]
         # 3.7-4.4 tokens per verify over 128 tokens; 2.1-2.9 when the drafter did not write the
         # keys and values of its own new tokens into the shared cache (a mutation, checked)
@@ -111,6 +110,26 @@ def test_a_drafter_with_its_own_kv_cache_keeps_the_output_in_half_the_pool(model
     assert abs(lossless["kv_cache_blocks"] - 2 * own["kv_cache_blocks"]) <= 2, (lossless["kv_cache_blocks"],
                                                                               own["kv_cache_blocks"])
     assert dense["kv_cache_blocks"] == lossless["kv_cache_blocks"]
+
+
+def test_preemption_and_prefix_cache_hits_keep_the_output(model_dir, requests, dense):
+    """A pool of 9 blocks of 128 tokens for 3 requests of ~530 tokens each: two prompts of 4 blocks
+    fit with one to spare, so when both need a fifth block one is
+    preempted and recomputed. A second phase asks the last prompt again (the pool is small: the
+    blocks of the last request to finish are the ones still cached), and its prefill starts from
+    the prefix cache (entries the model wrote, which the drafter reads too). The output is
+    dense's throughout."""
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    n = 128
+    reqs = [{**r, "max_tokens": n, "phase": 0} for r in requests] + [{**requests[-1], "max_tokens": n, "phase": 1}]
+    res = _run(model_dir, reqs, attention_backend="sfi", sfi={**SMALL, "mode": "lossless"},
+               engine={"speculative_config": spec, "max_model_len": 1024, "num_gpu_blocks_override": 9})
+    for d, s in zip(dense["outputs"] + dense["outputs"][-1:], res["outputs"]):
+        assert s["token_ids"] == d["token_ids"][:n]
+    stats = [res["sfi_stats"][o["request_id"]] for o in res["outputs"]]
+    assert sum(st["preemptions"] for st in stats) > 0, "no request was preempted"
+    assert res["outputs"][-1]["cached_tokens"] >= 256, res["outputs"][-1]["cached_tokens"]
+    assert all(st["verify_steps"] > 0 for st in stats)
 
 
 @pytest.mark.parametrize("kw,needle", [

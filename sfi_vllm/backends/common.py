@@ -537,8 +537,6 @@ class SFIBuilderMixin:
         step's plan by :func:`sfi_vllm.lossless.plan_draft`. The previous pass's selections
         (staged for the per-step refresh, or made inside its CUDA graph) run first: this pass's
         fast rows read them."""
-        from sfi_vllm.patches.drafter_graphs import first_pass_graph_rows
-
         plan = None
         ctl = self.controller
         executor = ctl.executor
@@ -555,8 +553,11 @@ class SFIBuilderMixin:
 
             plan = plan_draft(ctl, common_attn_metadata, draft_index)
         # the padded batch of a pass run as a full CUDA graph (sfi.drafter_graphs); a first pass
-        # qualifies when it holds one token per row
-        graph_rows = ctl.draft_graph_rows if draft_index > 0 else first_pass_graph_rows(ctl, common_attn_metadata)
+        # qualifies when it holds one token per row (the drafter_graphs patch answers)
+        if draft_index > 0:
+            graph_rows = ctl.draft_graph_rows
+        else:
+            graph_rows = ctl.first_pass_rows(common_attn_metadata) if ctl.first_pass_rows is not None else None
         return self._build(common_attn_metadata, True, plan, graph_rows=graph_rows)
 
     def _build(self, cam, fast_build: bool, plan: StepPlan | None, uniform: bool = True,

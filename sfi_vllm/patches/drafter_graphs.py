@@ -15,7 +15,7 @@ Patched (vLLM 0.26.0, V1 ``GPUModelRunner``'s proposer):
 
 * ``SpecDecodeBaseProposer.propose``: counts its batch-execution decisions (the first is the first
   pass's, the second the one for passes 1..k-1) and lets the first pass's metadata build reach
-  the proposer (``controller.drafter_proposer``): vLLM builds that pass's metadata before it
+  the proposer (``controller.first_pass_rows``): vLLM builds that pass's metadata before it
   decides, so the build asks vLLM's dispatcher for the padding itself (:func:`first_pass_graph_rows`);
 * ``SpecDecodeBaseProposer._determine_batch_execution_and_padding``: returns ``CUDAGraphMode.FULL``
   for the later passes, and for the first pass when its build made the graph's tables (where vLLM
@@ -227,12 +227,12 @@ def decide(proposer, ctl, mode, padded: int, across_dp):
     return mode, padded, across_dp
 
 
-def first_pass_graph_rows(ctl, cam) -> int | None:
-    """The padded batch of a drafter's first pass run as a full CUDA graph, asked by its metadata
-    build (which comes before vLLM's decision for it): vLLM's padding for the pass when the pass
-    holds one token per row and vLLM would run it in piecewise graphs; else None."""
-    proposer = getattr(ctl, "drafter_proposer", None)
-    if proposer is None or not _serves(proposer, ctl) or proposer._sfi_decisions != 0 or _breakable():
+def first_pass_graph_rows(ctl, proposer, cam) -> int | None:
+    """The padded batch of ``proposer``'s first pass run as a full CUDA graph, asked by its
+    metadata build through ``ctl.first_pass_rows`` (the build comes before vLLM's decision for the
+    pass): vLLM's padding for the pass when the pass holds one token per row and vLLM would run it
+    in piecewise graphs; else None."""
+    if not _serves(proposer, ctl) or proposer._sfi_decisions != 0 or _breakable():
         return None
     if int(cam.max_query_len) != 1 or int(cam.num_actual_tokens) != int(cam.num_reqs):
         return None
@@ -263,15 +263,15 @@ def install() -> None:
     def propose(self, *args, **kwargs):
         self._sfi_decisions = 0  # the first decision is the first pass's, the second the later passes'
         ctl = current_controller()
-        if ctl is not None:
-            ctl.drafter_proposer = self  # the first pass's metadata build asks for its padding
+        if ctl is not None:  # the first pass's metadata build asks for its padding
+            ctl.first_pass_rows = functools.partial(first_pass_graph_rows, ctl, self)
         try:
             return orig_propose(self, *args, **kwargs)
         finally:
             self._sfi_decisions = None
             ctl = current_controller()
             if ctl is not None:
-                ctl.draft_graph_rows = ctl.draft_graph = ctl.drafter_proposer = None
+                ctl.draft_graph_rows = ctl.draft_graph = ctl.first_pass_rows = None
 
     @functools.wraps(orig_determine)
     def _determine_batch_execution_and_padding(self, num_tokens, use_cudagraphs=True):

@@ -458,11 +458,11 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     builder._graph_block_table = None
     from vllm.config import CUDAGraphMode
 
-    from sfi_vllm.patches.drafter_graphs import decide
+    from sfi_vllm.patches.drafter_graphs import decide, first_pass_graph_rows
 
     dispatcher = SimpleNamespace(dispatch=lambda rows: (CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=rows + 1)))
     proposer = SimpleNamespace(model=object(), method="draft_model", cudagraph_dispatcher=dispatcher)
-    ctl.drafter_proposer = proposer
+    ctl.first_pass_rows = lambda c: first_pass_graph_rows(ctl, proposer, c)  # what the propose wrapper sets
     ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
 
     paged, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=5)
