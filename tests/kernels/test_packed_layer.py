@@ -494,9 +494,11 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
         assert decide(proposer, ctl, CUDAGraphMode.PIECEWISE, padded, None)[0] == CUDAGraphMode.FULL
         # a second attention group's build of the same pass runs nothing staged: the pass's own
         # slow rows are refreshed after its forward
-        runs = ctl.executor.graph_runs()
+        finished = []
+        ctl.executor.finish = lambda layers: finished.append(layers)  # the instance's, for this build only
         builder.build_for_drafting(fcam, 0)
-        assert ctl.executor.has_staged_work and ctl.executor.graph_runs() == runs
+        del ctl.executor.finish
+        assert finished == [] and ctl.executor.has_staged_work
         on_set = keys and cycle > 0
         assert plan.modes == [StepMode.SLOW] * n and plan.graph_slow and not plan.needs_eager
         assert plan.keys_only == ([True] * n if on_set else None)
@@ -536,9 +538,9 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
 
 
 @pytest.mark.parametrize("device,dtype,kw", [
+    # on the CPU the keys case only: its first cycle is a dense first selection (the dense
+    # re-selection inside the launch is check_graph_slow's)
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS), id="keys-" + shape_id(torch.float32, **CPU_SHAPE)),
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, keys=False),
-         id="dense-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, keys=keys), id=f"{'keys' if keys else 'dense'}-" + shape_id(dtype, **shape))
       for dtype, shape in GPU[:2] for keys in (True, False)),
 ])
