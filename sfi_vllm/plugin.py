@@ -5,7 +5,7 @@
   (parsed as ``AttentionBackendEnum[value.upper()]``) works; vLLM 0.26/0.27 have no public alias
   mechanism, and an alias to CUSTOM (value None, present in every process) survives pickling;
 * installs the patches in :mod:`sfi_vllm.patches` (CPU backend choice, start-up config check,
-  the front end's check of each request's SFI settings);
+  the front end's check of each request's SFI settings, the scheduler's common-prefix count);
 * sends the ``sfi_vllm`` loggers' records to vLLM's log handlers (:func:`share_vllm_log_handlers`);
 * prints an uncaught sfi-vllm start-up error (a bad SFI setting) as its message alone, without the
   traceback through vLLM's argument handling (:mod:`sfi_vllm.startup_errors`).
@@ -72,10 +72,11 @@ def register() -> None:
     AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
 
     from sfi_vllm.controller import on_new_controller
-    from sfi_vllm.patches import config_check, request_check, runner_hooks
+    from sfi_vllm.patches import config_check, prefix_count, request_check, runner_hooks
 
     config_check.install()
     request_check.install()
+    prefix_count.install()  # acts in SFI engines only (it checks each engine's backend)
     # the per-step hooks on vLLM's model runner go in with the process's first SFI controller: a
     # process that never builds an SFI layer keeps vLLM's runner as it is
     on_new_controller(runner_hooks.install_for)

@@ -42,12 +42,16 @@ def prompts(model_dir):
     return long_prompts(AutoTokenizer.from_pretrained(model_dir), 3, 320, seed=7)
 
 
+# schedulers in the engine's process that skip vLLM's per-step common-prefix count
+SKIPPED_COUNTS = "sfi_vllm.patches.prefix_count:skipped_schedulers"
+
+
 def _job(model_dir, prompts, env=None, **kw):
     from sfi_vllm.tools.engine_job import EngineJob, run_engine_job
 
     engine = dict(ENGINE, **kw.pop("engine", {}))
     return run_engine_job(EngineJob(model=model_dir, prompts=prompts, max_tokens=MAX_TOKENS,
-                                    engine_kwargs=engine, **kw), env=env, timeout=900)
+                                    engine_kwargs=engine, collect=[SKIPPED_COUNTS], **kw), env=env, timeout=900)
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +108,12 @@ def test_full_budget_sfi_is_token_identical_to_dense(dense, sfi_full):
         st = _stats(sfi_full, s)
         assert st["fast_steps"] > 0  # the fast path ran, and matched dense
         assert st["attended_fraction"] == pytest.approx(1.0)
+
+
+def test_only_sfi_engines_skip_the_schedulers_common_prefix_count(dense, sfi_full):
+    # the count serves cascade attention, which the SFI backend never uses (sfi_vllm.patches.prefix_count)
+    assert dense["collected"][SKIPPED_COUNTS] == 0
+    assert sfi_full["collected"][SKIPPED_COUNTS] == 1
 
 
 def test_sfi_really_runs_with_a_small_budget(sfi_small):

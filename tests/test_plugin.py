@@ -21,6 +21,20 @@ def test_register_is_idempotent_and_adds_alias():
     assert AttentionConfig.validate_backend_before("sfi") is E.CUSTOM
 
 
+def test_skipped_prefix_count_answers_zero_for_every_group():
+    from types import SimpleNamespace
+
+    from sfi_vllm.patches import prefix_count
+
+    manager = SimpleNamespace(get_num_common_prefix_blocks=lambda rid: [99, 99])
+    scheduler = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=[object(), object()]),
+                                kv_cache_manager=manager)
+    before = prefix_count.skipped_schedulers()
+    prefix_count.skip_count(scheduler)
+    assert manager.get_num_common_prefix_blocks("any request") == [0, 0]
+    assert prefix_count.skipped_schedulers() == before + 1
+
+
 def test_entry_point_is_installed():
     from importlib.metadata import entry_points
 
