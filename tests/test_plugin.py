@@ -35,6 +35,17 @@ def test_skipped_prefix_count_answers_zero_for_every_group():
     assert prefix_count.skipped_schedulers() == before + 1
 
 
+def test_scheduler_init_is_wrapped_once_an_engine_resolves_its_scheduler_class():
+    from vllm.config.scheduler import SchedulerConfig
+
+    plugin.register()  # installs sfi_vllm.patches.prefix_count
+    cls = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False).get_scheduler_cls()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert issubclass(cls, Scheduler)
+    assert Scheduler.__init__.__code__.co_filename.endswith("prefix_count.py")  # our wrapper, run for every engine
+
+
 def test_entry_point_is_installed():
     from importlib.metadata import entry_points
 

@@ -7,8 +7,9 @@ running request, or requests that share a long prompt, that is every block of th
 context, a Python loop of ``context / block_size`` iterations on the engine's host path at every
 decode step (8,192 at 128K tokens: 0.47 ms on a 2-core CPU; under cProfile on the H200 machine,
 86% of the scheduler's time at batch 1 and 128K, ``benchmarks/results/e2e-h200-1x128k.md``).
-The model runner reads the count only to plan cascade attention, which the SFI backend never
-uses (``SFIBuilderMixin.use_cascade_attention`` is false), and an SFI decode step at batch 1 is
+The model runner reads the count only to plan cascade attention (off by default in vLLM 0.26
+and 0.27: ``disable_cascade_attn``), which the SFI backend never uses
+(``SFIBuilderMixin.use_cascade_attention`` is false), and an SFI decode step at batch 1 is
 short (about 3.5 ms of device time for a 4B model), so the host's work per step is barely
 hidden behind it. vLLM has no setting that skips the count.
 
