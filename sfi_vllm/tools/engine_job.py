@@ -64,7 +64,8 @@ class EngineJob:
     # as "logprobs": [{token id: logprob}, ...]), "extra_args" (dict, merged into
     # SamplingParams.extra_args next to "sfi"), "force_from" (index of a request of an earlier
     # phase: its output token ids become extra_args["force"]["tokens"], see
-    # sfi_vllm.tools.quality.forcing).
+    # sfi_vllm.tools.quality.forcing), "sampling" (dict of SamplingParams fields such as
+    # temperature, top_k, top_p: the request samples instead of decoding greedily).
     requests: list[dict[str, Any]] | None = None
     progress: bool = False  # vLLM's own progress bar (stderr)
     # "module:function" names called without arguments after generation, in the engine's process;
@@ -400,7 +401,7 @@ def load_stream(path: str | Path, num_requests: int) -> dict[str, Any]:
 
 
 def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: list) -> Any:
-    """Greedy SamplingParams for one entry of ``EngineJob.requests``."""
+    """SamplingParams for one entry of ``EngineJob.requests``: greedy unless it has "sampling"."""
     extra = dict(req.get("extra_args") or {})
     if req.get("sfi"):
         extra["sfi"] = req["sfi"]
@@ -411,8 +412,9 @@ def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: 
             raise ValueError("force_from must name a request of an earlier phase")
         extra["force"] = {**extra.get("force", {}), "tokens": list(src.outputs[0].token_ids)}
         n = req.get("max_tokens", len(extra["force"]["tokens"]))
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=bool(req.get("ignore_eos", False)),
-                          logprobs=req.get("logprobs"), extra_args=extra or None)
+    sampling = {"temperature": 0.0, **(req.get("sampling") or {})}
+    return SamplingParams(max_tokens=n, ignore_eos=bool(req.get("ignore_eos", False)),
+                          logprobs=req.get("logprobs"), extra_args=extra or None, **sampling)
 
 
 def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: bool = True,
