@@ -26,6 +26,8 @@ malformed value.
 
 from __future__ import annotations
 
+import re
+
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -188,6 +190,20 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                               "allowed: boundary_trigger false", name)
 
 
+def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: str) -> str:
+    """The request field an error names: its location, or for an error of several fields together
+    (no location of its own) the first of the request's fields that its message names, else
+    ``where``."""
+    at = [names[loc] for loc in getattr(error, "locs", ()) if loc in names]
+    if at:
+        return at[0]
+    message = str(error)
+    for path, name in names.items():
+        if re.search(rf"\b{re.escape(path[-1])}\b", message):
+            return name
+    return where
+
+
 def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs") -> SFIConfig:
     """The config a request runs with: the engine's, or its own settings merged over it (see the
     module doc). Raises :class:`SFIRequestError` naming the field."""
@@ -198,7 +214,6 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
     try:  # an error of several fields together (e.g. min_gap > reuse_budget) is named ``where``
         cfg = merge_policy(limits.cfg, overrides, field_names={**names, (): where})
     except SFIConfigError as e:
-        at = [names[loc] for loc in getattr(e, "locs", ()) if loc in names]
-        raise SFIRequestError(str(e), at[0] if at else next(iter(names.values()))) from None
+        raise SFIRequestError(str(e), _param_at_fault(e, names, where)) from None
     check_request_config(limits, cfg, names)
     return cfg

@@ -74,6 +74,9 @@ def test_the_three_forms_give_the_same_config():
     ({"sfi_selected_tokens": 65}, "vllm_xargs.sfi_selected_tokens", "sinks + K <= 68"),
     ({"sfi_sinks": 8}, "vllm_xargs.sfi_sinks", "sinks + K <= 68"),
     ({"sfi_reuse_budget": 4}, "vllm_xargs.sfi_reuse_budget", "min_gap (16) must be <= reuse_budget (4)"),
+    # an error of two fields names the request's field that the message names, not its first key
+    ({"sfi_selected_tokens": 16, "sfi_reuse_budget": 8}, "vllm_xargs.sfi_reuse_budget", "reuse_budget (8)"),
+    ({"sfi": {"selected_tokens": 16, "reuse_budget": 8}}, "vllm_xargs.sfi.reuse_budget", "reuse_budget (8)"),
     ({"sfi_sinks": 2, "sfi": {"sinks": 2}}, "vllm_xargs.sfi_sinks", "given twice"),
     ({"sfi_selector_alpha": 1, "sfi": {"selector": {"gamma": 1}}}, None, None),  # different fields: fine
 ])
