@@ -59,6 +59,19 @@ def compact_bytes_per_slot(layers: int, kv_heads: int, capacity: int, head_size:
     return 2 * (2 if double_buffer else 1) * layers * kv_heads * capacity * head_size * dtype_bytes
 
 
+def pool_shape(cfg, vllm_config, packed: bool) -> dict:
+    """The model's numbers a compact pool is sized from (the keyword arguments of
+    :func:`compact_pool` but ``max_num_seqs`` and the budgets): ``packed``, the GPU kernels' packed
+    buffers (double-buffered with ``sfi.side_stream``)."""
+    import torch
+
+    mc, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return dict(layers=int(mc.get_num_layers(parallel)), kv_heads=int(mc.get_num_kv_heads(parallel)),
+                capacity=cfg.compact_capacity(int(mc.max_model_len)), head_size=int(mc.get_head_size()),
+                dtype_bytes=torch.empty((), dtype=mc.dtype).element_size(),
+                double_buffer=packed and cfg.side_stream)
+
+
 def compact_pool(*, max_num_seqs: int, layers: int, kv_heads: int, capacity: int, head_size: int,
                  dtype_bytes: int, double_buffer: bool, compact_memory_gib: float | None,
                  device_bytes: int | None) -> CompactPool:

@@ -271,7 +271,7 @@ class SFIController:
 
     def _compact_pool(self, cfg: SFIConfig, vllm_config: Any):
         """The compact pool of this engine (:mod:`sfi_vllm.compact_pool`), logged once."""
-        from sfi_vllm.compact_pool import CompactPool, compact_bytes_per_slot, compact_pool
+        from sfi_vllm.compact_pool import CompactPool, compact_bytes_per_slot, compact_pool, pool_shape
 
         packed = False
         try:
@@ -282,16 +282,13 @@ class SFIController:
             logger.debug("sfi-vllm: no vLLM platform (%s); compact sets for every sequence", e)
         if cfg.compact_memory_gib is None and not packed:
             return CompactPool(self.num_slots, self.num_slots, 0, None, "every sequence")
-        mc, parallel = vllm_config.model_config, vllm_config.parallel_config
-        layers, kv_heads = int(mc.get_num_layers(parallel)), int(mc.get_num_kv_heads(parallel))
-        head_size = int(mc.get_head_size())
-        dtype_bytes = torch.empty((), dtype=mc.dtype).element_size()
-        capacity = cfg.compact_capacity(int(self.max_model_len))
+        shape = pool_shape(cfg, vllm_config, packed)
+        layers, kv_heads, capacity = shape["layers"], shape["kv_heads"], shape["capacity"]
+        head_size, dtype_bytes = shape["head_size"], shape["dtype_bytes"]
         device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if packed else None
         try:
-            pool = compact_pool(max_num_seqs=self.num_slots, layers=layers, kv_heads=kv_heads, capacity=capacity,
-                                head_size=head_size, dtype_bytes=dtype_bytes, double_buffer=packed and cfg.side_stream,
-                                compact_memory_gib=cfg.compact_memory_gib, device_bytes=device_bytes)
+            pool = compact_pool(max_num_seqs=self.num_slots, **shape, compact_memory_gib=cfg.compact_memory_gib,
+                                device_bytes=device_bytes)
         except ValueError as e:
             raise SFIConfigError(str(e)) from None
         if self.rank == 0:

@@ -61,3 +61,24 @@ def test_uncaught_error_prints_without_traceback_once_the_plugin_is_loaded():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "sfi.recent_window" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts():
+    """sfi.compact_memory_gib too small for one sequence's compact set: vLLM's config step (in the
+    front end, before any engine process) raises the field's one-line message, which is also what
+    the start-up handler prints."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    from sfi_vllm.tools.model_prep import prepare_model
+
+    load_general_plugins()
+    model = str(prepare_model(progress=False))
+    args = dict(model=model, attention_backend="sfi", dtype="float32", max_model_len=1024)
+    with pytest.raises(Exception) as e:
+        EngineArgs(**args, additional_config={"sfi": {"compact_memory_gib": 0.0001}}).create_engine_config()
+    msg = startup_message(e.value)
+    assert msg is not None and msg.startswith("sfi.compact_memory_gib: a budget of 0.000 GiB"), msg
+    assert "holds no sequence's compact set" in msg and "\n" not in msg
+    # a budget that holds one set passes the check (SmolLM2 at 1024 tokens: well under 0.1 GiB per set)
+    EngineArgs(**args, additional_config={"sfi": {"compact_memory_gib": 0.1}}).create_engine_config()

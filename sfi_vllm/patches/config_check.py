@@ -61,6 +61,8 @@ def check_sfi_engine(vllm_config) -> None:
             problems.append("sliding-window attention is not supported")
     if problems:
         raise SFIStartupError("sfi-vllm cannot serve this configuration: " + "; ".join(problems))
+    if cfg.compact_memory_gib is not None and model_config is not None:
+        check_compact_budget(cfg, vllm_config, current_platform.is_cuda_alike() and cfg.kernels != "torch")
     if current_platform.is_cuda_alike():
         env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         if env is not None and env.strip().lower() in ("1", "true"):
@@ -74,6 +76,19 @@ def check_sfi_engine(vllm_config) -> None:
     if model_config is not None:
         install_request_validation(cfg, model_config)
     logger.info("sfi-vllm on vLLM %s: %s", version, cfg.model_dump(exclude_defaults=True) or "defaults")
+
+
+def check_compact_budget(cfg, vllm_config, packed: bool) -> None:
+    """Refuse at start-up, naming the field, an ``sfi.compact_memory_gib`` that holds no sequence's
+    compact set (the engine's controller sizes the pool the same way, in the engine's process)."""
+    from sfi_vllm.compact_pool import compact_pool, pool_shape
+    from sfi_vllm.config import SFIConfigError
+
+    try:
+        compact_pool(max_num_seqs=1, **pool_shape(cfg, vllm_config, packed),
+                     compact_memory_gib=cfg.compact_memory_gib, device_bytes=None)
+    except ValueError as e:
+        raise SFIConfigError(str(e)) from None
 
 
 def speculative_problems(cfg, vllm_config) -> list[str]:
