@@ -26,9 +26,8 @@ malformed value.
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -211,7 +210,7 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
     if parsed is None:
         return limits.cfg
     overrides, names = parsed
-    try:  # an error of several fields together (e.g. min_gap > reuse_budget) is named ``where``
+    try:  # an error of several fields together (e.g. min_gap > reuse_budget): see _param_at_fault
         cfg = merge_policy(limits.cfg, overrides, field_names={**names, (): where})
     except SFIConfigError as e:
         raise SFIRequestError(str(e), _param_at_fault(e, names, where)) from None

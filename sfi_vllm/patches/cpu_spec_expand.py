@@ -14,7 +14,9 @@ they were unaffected. vLLM has no hook for the sampler's kernels; SFI engines ru
 decoding only as ``sfi.mode lossless``, so the patch is installed with a lossless engine's controller
 on the CPU platform (:func:`sfi_vllm.patches.runner_hooks.install_for`), after the runner's swap.
 
-The replacement is :func:`expand_to_tokens`, plain torch with the Triton kernel's semantics.
+The replacement is :func:`expand_to_tokens`, plain torch with the Triton kernel's semantics. It
+stays in place for the process: an engine without SFI built later in the same process expands
+correctly too (the one way this patch reaches beyond SFI engines).
 """
 
 from __future__ import annotations
