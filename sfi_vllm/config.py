@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("balanced", "speed", "paper")
@@ -58,10 +60,41 @@ def _refuse_moved(data: Any, moved: dict[str, str], old_prefix: str, new_prefix:
     return data
 
 
-class ExperimentalConfig(BaseModel):
-    """Options kept for comparison runs: measured, not better than the default where it matters."""
+def _takes_numbers(annotation: Any) -> bool:
+    """Whether a field takes numbers: one of its annotation's types (``int``, ``float | None``,
+    ``Literal["auto"] | int``, ``list[int] | None``) is int or float, and none is bool."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    members = [get_args(m)[0] if get_origin(m) in (list, Annotated) else m for m in members]
+    return any(m in (int, float) for m in members) and bool not in members
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+def _refuse_bool_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A field validator's input, unless it is a boolean (or a list holding one) for a number field:
+    pydantic's lax mode would read ``true`` as 1, and a boolean where a count is expected is a
+    mistake, not a count."""
+    field = model.model_fields.get(info.field_name or "")
+    if field is None or not _takes_numbers(field.annotation):
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"expects a number, not the boolean {value!r}")
+    if isinstance(value, list) and any(isinstance(v, bool) for v in value):
+        raise ValueError("expects a list of numbers, and this one holds a boolean")
+    return value
+
+
+class _StrictNumbers(BaseModel):
+    """Frozen, unknown keys refused, no NaN or infinity, no boolean where a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_bool_number(cls, value, info)
+
+
+class ExperimentalConfig(_StrictNumbers):
+    """Options kept for comparison runs: measured, not better than the default where it matters."""
 
     @model_validator(mode="before")
     @classmethod
@@ -101,10 +134,8 @@ MOVED_FIELDS = {"selector_top_k": "experimental.selector_top_k"}
 PROMOTED_FIELDS = {"drafter_graphs": "drafter_graphs"}
 
 
-class SelectorConfig(BaseModel):
+class SelectorConfig(_StrictNumbers):
     """Constants of the Selector (evidence pooling, prior, fusion, soft-NMS, exclusivity)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     alpha: float = Field(0.5, gt=0.0, le=4.0, description="power-mean exponent pooling the GQA group")
     use_prior: bool = Field(True, description="fuse the key-norm/position prior with the evidence")
@@ -142,11 +173,10 @@ class SelectorConfig(BaseModel):
         1.0, ge=0.0, le=80.0, description="log-score a followed page loses per page of distance")
 
 
-class _SettingsModel(BaseModel):
+class _SettingsModel(_StrictNumbers):
     """What :class:`Policy`, :class:`EngineSettings` and :class:`SFIConfig` share: frozen, unknown
-    keys refused, a field of the other half named as such, a moved field named with its new place."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    keys refused (and NaN, infinity and booleans for numbers), a field of the other half named as
+    such, a moved field named with its new place."""
 
     @model_validator(mode="before")
     @classmethod
@@ -634,7 +664,7 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
         own = [p for p in ((key,), *names) if p[:1] == (key,) and p in names]
         path = own[0] if own else (key,) if key in request or "preset" not in request else ("preset",)
         name = names.get(path, f"sfi.{'.'.join(path)}")
-        asked = request[key] if key in request else getattr(cfg, key)
+        asked = getattr(cfg, key)  # as validated: over HTTP a JSON false arrives as 0
         error = SFIConfigError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
                                f"(engine: {getattr(engine, key)!r}, request: {asked!r}); "
                                "set it in the engine's --additional-config")

@@ -98,12 +98,29 @@ def _allowed_keys_text() -> str:
     return ", ".join(sorted(flat_keys()))
 
 
+def _looks_sfi(key: Any) -> bool:
+    """An ``extra_args`` key meant for SFI: ``sfi`` or ``sfi_*`` in any letter case (a key in another
+    case than ours is refused by :func:`request_overrides`, not ignored)."""
+    return isinstance(key, str) and (key.lower() == REQUEST_KEY or key.lower().startswith(FLAT_PREFIX))
+
+
 def sfi_entries(extra_args: Any) -> dict[str, Any]:
-    """The entries of ``extra_args`` that are SFI settings (``sfi`` and ``sfi_*``)."""
+    """The entries of ``extra_args`` that are SFI settings (``sfi`` and ``sfi_*``, and the same
+    names in other letter cases, which are refused)."""
     if not isinstance(extra_args, Mapping):
         return {}
-    return {k: v for k, v in extra_args.items()
-            if isinstance(k, str) and (k == REQUEST_KEY or k.startswith(FLAT_PREFIX))}
+    return {k: v for k, v in extra_args.items() if _looks_sfi(k)}
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice in one object is an error (JSON parsing
+    would otherwise keep the last value and drop the first without a word)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice")
+        out[key] = value
+    return out
 
 
 def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[str, Any], dict[tuple, str]] | None:
@@ -133,10 +150,12 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
         name = f"{where}.{REQUEST_KEY}"
         if isinstance(raw, str):
             try:
-                raw = json.loads(raw)
+                raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
             except json.JSONDecodeError as e:
                 raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
+            except ValueError as e:  # a key given twice (_object_without_duplicates)
+                raise SFIRequestError(f"{name}: {e}; give each setting once", name) from None
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -154,8 +173,11 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
                 put((key,), value, f"{name}.{key}")
     keys = flat_keys()
     for key, value in extra_args.items():
-        if not isinstance(key, str) or not key.startswith(FLAT_PREFIX):
+        if not _looks_sfi(key) or key == REQUEST_KEY:
             continue
+        if key != key.lower() and (key.lower() == REQUEST_KEY or key.lower() in keys):
+            raise SFIRequestError(f"{where}.{key}: SFI keys are lower-case; did you mean {key.lower()!r}?",
+                                  f"{where}.{key}")
         path = keys.get(key)
         if path is None:
             raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfi_vllm.config import SelectorConfig, SFIConfig, build_config
+from sfi_vllm.config import SelectorConfig, SFIConfig, SFIConfigError, build_config
 from sfi_vllm.request_config import (
     REQUEST_FIXED_KEYS,
     EngineLimits,
@@ -79,6 +79,20 @@ def test_the_three_forms_give_the_same_config():
     ({"sfi": {"selected_tokens": 16, "reuse_budget": 8}}, "vllm_xargs.sfi.reuse_budget", "reuse_budget (8)"),
     ({"sfi_sinks": 2, "sfi": {"sinks": 2}}, "vllm_xargs.sfi_sinks", "given twice"),
     ({"sfi_selector_alpha": 1, "sfi": {"selector": {"gamma": 1}}}, None, None),  # different fields: fine
+    # a key twice in the JSON string (json.loads alone would keep the last without a word)
+    ({"sfi": '{"selected_tokens": 16, "selected_tokens": 32}'}, "vllm_xargs.sfi", "'selected_tokens' is given twice"),
+    ({"sfi": '{"selector": {"alpha": 1, "alpha": 2}}'}, "vllm_xargs.sfi", "'alpha' is given twice"),
+    # a boolean is not a count (pydantic's lax mode would read true as 1), NaN and infinity are no numbers
+    ({"sfi": '{"reuse_budget": true}'}, "vllm_xargs.sfi.reuse_budget", "not the boolean True"),
+    ({"sfi_selected_tokens": False}, "vllm_xargs.sfi_selected_tokens", "not the boolean False"),
+    ({"sfi_selector_alpha": float("nan")}, "vllm_xargs.sfi_selector_alpha", "finite number"),
+    ({"sfi": '{"selector": {"gamma": Infinity}}'}, "vllm_xargs.sfi.selector.gamma", "finite number"),
+    # our keys in another letter case are refused, not ignored
+    ({"SFI_POLICY": "dense"}, "vllm_xargs.SFI_POLICY", "did you mean 'sfi_policy'"),
+    ({"Sfi": '{"sinks": 2}'}, "vllm_xargs.Sfi", "did you mean 'sfi'"),
+    ({"SFI_SINKZ": 2}, "vllm_xargs.SFI_SINKZ", "unknown SFI setting"),
+    # over HTTP a JSON false reaches extra_args as 0: the message shows the value as the field reads it
+    ({"sfi_side_stream": 0}, "vllm_xargs.sfi_side_stream", "request: False"),
 ])
 def test_bad_request_settings_name_the_field(extra, param, needle):
     if param is None:
@@ -87,6 +101,15 @@ def test_bad_request_settings_name_the_field(extra, param, needle):
     with pytest.raises(SFIRequestError) as info:
         resolve_request_config(limits(), extra)
     assert info.value.param == param and needle in str(info.value), (info.value.param, str(info.value))
+
+
+def test_an_engines_config_refuses_booleans_for_numbers_and_non_finite_numbers():
+    for bad, needle in (({"reuse_budget": True}, "not the boolean"), ({"fused_scores_tokens": False}, "not the boolean"),
+                        ({"boundary_token_ids": [7, True]}, "holds a boolean"),
+                        ({"compact_memory_gib": float("inf")}, "finite number")):
+        with pytest.raises(SFIConfigError, match=needle):
+            build_config(bad, use_env=False)
+    assert build_config({"reuse_budget": 20.0, "boundary_trigger": 1}, use_env=False).reuse_budget == 20
 
 
 def test_a_fixed_key_at_the_engines_value_and_a_dense_request_of_any_budget_are_accepted():
