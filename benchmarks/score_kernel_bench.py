@@ -5,8 +5,8 @@
 The score kernel (:func:`sfi_vllm.kernels.slow_scores.slow_step_scores`) reads every key of a slow
 row's context once per layer: at 1 x 128K in the engine it is the largest part of a slow step
 (36 launches of about 89 us on the H200, benchmarks/results/profile-engine-h200-1x131072-probe.txt).
-Here each configuration of its launch parameters (``block_n`` keys per program, ``num_warps``,
-``dot``: ``q . k`` by ``tl.dot`` or by multiply-and-sum) is timed at the Qwen3-4B attention shape (32 query / 8 KV heads,
+Here each configuration of its launch parameters (``block_n`` keys per program, ``num_warps``) is
+timed at the Qwen3-4B attention shape (32 query / 8 KV heads,
 head_dim 128, bf16, 16-token pages) on a key cache laid out as vLLM's (``(blocks, page, Hkv, D)``,
 keys apart from values), each row's pages in order as a fresh engine allocates them (``--shuffle``:
 in random order). Time: the median over 5 x 200 replays of a graph holding one launch
@@ -94,15 +94,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default=POINTS)
     ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--dot", default="1,0", help="tl.dot (1) or multiply-and-sum (0)")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--shuffle", action="store_true", help="each row's pages in random order")
     ap.add_argument("--ceiling", action="store_true", help="also time two plain reads of the same keys")
     args = ap.parse_args()
     from sfi_vllm.kernels import slow_scores
 
-    configs = list(itertools.product(*(map(int, a.split(",")) for a in (args.block_n, args.dot, args.warps))))
-    default = (slow_scores.BLOCK_N, int(HQ // HKV >= slow_scores.DOT_MIN_GROUP), slow_scores.NUM_WARPS)
+    configs = list(itertools.product(*(map(int, a.split(",")) for a in (args.block_n, args.warps))))
+    default = (slow_scores.BLOCK_N, slow_scores.NUM_WARPS)
     if default in configs:
         configs.remove(default)
     configs.insert(0, default)
@@ -117,13 +116,13 @@ def main() -> int:
         key_bytes = B * ctx * HKV * D * kc.element_size()
         ref = None
         ranked = []
-        for block_n, dot, warps in configs:
+        for block_n, warps in configs:
             lg = torch.empty(B, HKV, HQ // HKV, width, device="cuda")
             nm = torch.empty(B, HKV, width, device="cuda")
 
             def launch():
                 return slow_scores.slow_step_scores(q, kc, bt, lens, width, D ** -0.5, block_n=block_n,
-                                                    out=(lg, nm), dot=bool(dot), num_warps=warps)
+                                                    out=(lg, nm), num_warps=warps)
 
             us = graph_time_us(launch)
             launch()
@@ -135,9 +134,9 @@ def main() -> int:
             err = max((lg[finite] - ref[0][finite]).abs().max().item(), (nm - ref[1]).abs().max().item())
             good = same_inf and err < 1e-3
             ok &= good
-            row = dict(batch=B, context=ctx, width=width, shuffle=args.shuffle, block_n=block_n, dot=dot,
+            row = dict(batch=B, context=ctx, width=width, shuffle=args.shuffle, block_n=block_n,
                        num_warps=warps, us=round(us, 1), tbps=round(key_bytes / us / 1e6, 2),
-                       max_err=err, same_inf=same_inf, default=(block_n, dot, warps) == default)
+                       max_err=err, same_inf=same_inf, default=(block_n, warps) == default)
             rows.append(row)
             ranked.append(row)
             print(json.dumps(row), flush=True)
@@ -146,7 +145,7 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         ranked.sort(key=lambda r: r["us"])
-        print(f"# {point}: " + "; ".join(f"bn{r['block_n']} dot{r['dot']} w{r['num_warps']} {r['us']} us "
+        print(f"# {point}: " + "; ".join(f"bn{r['block_n']} w{r['num_warps']} {r['us']} us "
                                           f"({r['tbps']} TB/s)" for r in ranked[:6])
               + f"; default {ranked[[r['default'] for r in ranked].index(True)]['us']} us", flush=True)
         del kc, bt, q

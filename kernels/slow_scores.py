@@ -6,16 +6,15 @@ FlashAttention returns no probabilities, so a slow step needs its own ``q . k`` 
 and ``keys.norm(dim=-1)``, on the keys :meth:`sfi_vllm.paged_kv.PagedKV.gather_range` reads.
 
 Grid ``(rows, kv_heads, tiles)``: each program loads ``BLOCK_N`` keys of one KV head from the paged
-cache once and scores them against every query head of its GQA group. Positions at or past
-``seq_len`` get ``-inf`` logits and zero norms, so a batch of rows with different contexts shares
-one ``(rows, Hkv, G, width)`` frame.
+cache once and scores them against every query head of its GQA group (padded to 16 rows for
+``tl.dot``). Positions at or past ``seq_len`` get ``-inf`` logits and zero norms, so a batch of rows
+with different contexts shares one ``(rows, Hkv, G, width)`` frame.
 
-Two ways to form ``q . k`` (``DOT``): ``tl.dot`` with the group padded to 16 query rows, or, for
-small groups, one multiply-and-sum over ``D`` per query row on the float32 keys the norms are made
-from. The keys' loads alone (the norms, no logits) ran at 4.0-4.2 TB/s on the H200, the kernel with
-``tl.dot`` at 3.0-3.2 (benchmarks/results/score-kernel-h200.md). The launch parameters
-(``block_n``, ``num_warps``, ``dot``) change float summation order, not what is computed;
-``benchmarks/score_kernel_bench.py`` times them.
+On the H200 the kernel reads keys at 3.0-3.2 TB/s; the same loads writing only the norms run at
+4.0-4.2 TB/s, and neither other tiles, more warps, several KV heads per program nor a
+multiply-and-sum in place of ``tl.dot`` came closer (benchmarks/results/score-kernel-h200.md).
+``block_n`` and ``num_warps`` are launch parameters: they change float summation order, not what
+is computed; ``benchmarks/score_kernel_bench.py`` times them.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch defaults: 64 keys per program, 4 warps (Triton's default); tl.dot from this many query
-# rows per KV head (fewer: multiply-and-sum)
+# Launch defaults: 64 keys per program, 4 warps (Triton's default); the fastest of the sweep at
+# every point measured
 BLOCK_N = 64
 NUM_WARPS = 4
-DOT_MIN_GROUP = 1
 
 
 @triton.jit(do_not_specialize=["stride_btb"])  # the block table's width changes with the batch
@@ -37,7 +35,7 @@ def _slow_scores(Q, KC, BT, SEQ, LOGITS, NORMS,
                  stride_lb, stride_lh, stride_lg, stride_nb, stride_nh,
                  width, scale,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, DOT: tl.constexpr):
+                 PAGE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     t = tl.program_id(2)
@@ -50,38 +48,29 @@ def _slow_scores(Q, KC, BT, SEQ, LOGITS, NORMS,
     off = (n % PAGE).to(tl.int64)
     k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
                 mask=valid[:, None], other=0.0)
-    L = LOGITS + b * stride_lb + h * stride_lh
-    if DOT:
-        offs_g = tl.arange(0, G_PAD)
-        gmask = offs_g < G
-        q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=gmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        tl.store(L + offs_g[:, None] * stride_lg + n[None, :], qk, mask=gmask[:, None] & in_frame[None, :])
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * scale
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    tl.store(LOGITS + b * stride_lb + h * stride_lh + offs_g[:, None] * stride_lg + n[None, :], qk,
+             mask=gmask[:, None] & in_frame[None, :])
     kf = k.to(tl.float32)
-    if not DOT:
-        for g in tl.static_range(G):
-            qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d).to(tl.float32)
-            qk_g = tl.sum(kf * qg[None, :], 1) * scale
-            tl.store(L + g * stride_lg + n, tl.where(valid, qk_g, float("-inf")), mask=in_frame)
     norm = tl.sqrt(tl.sum(kf * kf, 1))
     tl.store(NORMS + b * stride_nb + h * stride_nh + n, norm, mask=in_frame)
 
 
 def slow_step_scores(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, width: int, scale: float, block_n: int = BLOCK_N,
-                     out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int = NUM_WARPS,
-                     dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Hq, D)`` against ``key_cache (blocks, page, Hkv, D)`` through ``block_table (B, .)``
     -> ``(logits (B, Hkv, G, width), key_norms (B, Hkv, width))``, float32 (into ``out`` if given).
-    ``block_n``, ``num_warps`` and ``dot`` (``tl.dot``, else multiply-and-sum; None: ``tl.dot``
-    from ``DOT_MIN_GROUP`` query rows per KV head) are launch parameters."""
+    ``block_n`` and ``num_warps`` are launch parameters."""
     B, Hq, D = q.shape
     Hkv = key_cache.shape[2]
     G = Hq // Hkv
-    if dot is None:
-        dot = G >= DOT_MIN_GROUP
     if out is not None:
         logits, norms = out
         assert logits.shape == (B, Hkv, G, width) and norms.shape == (B, Hkv, width)
@@ -96,6 +85,6 @@ def slow_step_scores(q: torch.Tensor, key_cache: torch.Tensor, block_table: torc
         logits.stride(0), logits.stride(1), logits.stride(2), norms.stride(0), norms.stride(1),
         width, scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n, PAGE=key_cache.shape[1],
-        DOT=dot, num_warps=num_warps,
+        num_warps=num_warps,
     )
     return logits, norms
