@@ -148,7 +148,7 @@ def main() -> int:
         print(f"# {point}: " + "; ".join(f"bn{r['block_n']} w{r['num_warps']} {r['us']} us "
                                           f"({r['tbps']} TB/s)" for r in ranked[:6])
               + f"; default {ranked[[r['default'] for r in ranked].index(True)]['us']} us", flush=True)
-        del kc, bt, q
+        kc = bt = q = None  # free the cache before the next point
         torch.cuda.empty_cache()
     with open(out_dir / "score-kernel-h200.jsonl", "a") as f:
         for row in rows:

@@ -167,9 +167,7 @@ class SFIController:
         vocab = int(vllm_config.model_config.get_vocab_size())
         if boundary is not None:
             vocab = max(vocab, max(boundary.enders | boundary.skips, default=0) + 1)
-        # The plan is made on the host here (the reference path); the trigger is vectorised so the
-        # GPU fast path can run it on device tensors.
-        self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary, device="cpu")
+        self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary)
         # The last sampled tokens live on the GPU; they are read to the host (a device sync) only
         # at steps whose decisions need them (DeferredTokens), or a step late without waiting
         # (LaggedTokens). With boundary_read "auto" the reader is chosen at the first decode step,
@@ -331,7 +329,7 @@ class SFIController:
         self.generation[slot] += 1
         self.slow_count[slot] = 0
         self.verified_since_selection[slot] = -1
-        self.trigger.reset(torch.tensor([slot]))
+        self.trigger.reset([slot])
         if slot < self.compact_slots:
             for buf in self.buffers:
                 buf.drop(slot)
@@ -396,8 +394,8 @@ class SFIController:
                 [context[i] for i in decode_rows], self.generation,
                 defer=first_input_tokens.device.type != "cpu",
             )
-            for j, i in enumerate(decode_rows):
-                modes[i], reasons[i] = int(mode[j]), int(reason[j])
+            for i, m, r in zip(decode_rows, mode.tolist(), reason.tolist()):
+                modes[i], reasons[i] = m, r
         refresh_all = [False] * n
         slow_counts = [0] * n
         for i in range(n):

@@ -15,8 +15,8 @@ A decode step of a sequence is
     a boundary that arrives inside the gap is dropped;
 * ``FAST`` otherwise.
 
-The state is a few tensors indexed by request slot, and :meth:`SlowStepTrigger.step` is vectorised
-over the batch's decode rows. The controller keeps it on the host and feeds it through a reader of
+The state is a few host (numpy) arrays indexed by request slot, and :meth:`SlowStepTrigger.step` is
+vectorised over the batch's decode rows. The controller keeps it on the host and feeds it through a reader of
 the last sampled tokens (:func:`token_reader`, ``sfi.boundary_read``): :class:`DeferredTokens`
 reads them only at steps whose decisions depend on them (exact), :class:`LaggedTokens` copies
 them asynchronously and uses each one step later (lagged; the default on a GPU).
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+import numpy as np
 import torch
 
 from sfi_vllm.config import SFIConfig
@@ -96,17 +97,32 @@ def boundary_tokens_from_tokenizer(tokenizer, newline_is_boundary: bool = True) 
 GOLDEN_FRACTION = 0.6180339887498949
 
 
-def reuse_offset(context_lens: torch.Tensor, reuse_budget: torch.Tensor) -> torch.Tensor:
+def _host(x: Any, dtype: Any) -> np.ndarray:
+    """A host array of ``x`` (a torch tensor on any device, a numpy array or a sequence)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def reuse_offset(context_lens: Any, reuse_budget: Any) -> np.ndarray:
     """The per-request phase of the reuse budget: ``floor(frac(context x 0.618...) x budget)``, in
     ``[0, budget)``. It depends only on the context length at the request's first selection (so a
     request's steps do not depend on which others share its batch), and consecutive lengths land
     far apart (the golden-ratio sequence is evenly spread)."""
-    frac = torch.frac(context_lens.to(torch.float64) * GOLDEN_FRACTION)
-    return torch.minimum((frac * reuse_budget.to(torch.float64)).to(torch.int32), reuse_budget - 1).clamp_min(0)
+    ctx = _host(context_lens, np.float64)
+    budget = _host(reuse_budget, np.int64)
+    frac = np.modf(ctx * GOLDEN_FRACTION)[0]
+    return np.clip(np.minimum((frac * budget).astype(np.int64), budget - 1), 0, None).astype(np.int32)
 
 
 class SlowStepTrigger:
-    """Per-slot trigger state and per-slot settings (requests may carry their own SFI config)."""
+    """Per-slot trigger state and per-slot settings (requests may carry their own SFI config).
+
+    The state lives in host (numpy) arrays indexed by slot; each call takes the batch's rows at
+    once. Inputs may be torch tensors (any device), numpy arrays or sequences; :meth:`step`
+    returns torch int8 tensors. numpy rather than torch: a step is a few dozen elementwise
+    operations on arrays of batch size, where torch's per-operation cost on the host (about
+    10 us) made the trigger most of a step's planning."""
 
     def __init__(
         self,
@@ -114,36 +130,34 @@ class SlowStepTrigger:
         num_slots: int,
         vocab_size: int,
         boundary: BoundaryTokens | None,
-        device: torch.device | str = "cpu",
     ) -> None:
-        self.device = torch.device(device)
         self.has_boundary = boundary is not None
-        self.ender = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
-        self.skip = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+        self.vocab_size = vocab_size
+        self.ender = np.zeros(vocab_size, dtype=bool)
+        self.skip = np.zeros(vocab_size, dtype=bool)
         if boundary is not None:
             for mask, ids in ((self.ender, boundary.enders), (self.skip, boundary.skips)):
                 valid = [i for i in ids if 0 <= i < vocab_size]
                 if valid:
-                    mask[torch.tensor(valid, device=self.device)] = True
-        z = dict(device=self.device)
-        self.fast_since_slow = torch.zeros(num_slots, dtype=torch.int32, **z)
-        self.pending = torch.zeros(num_slots, dtype=torch.bool, **z)
-        self.initialized = torch.zeros(num_slots, dtype=torch.bool, **z)
+                    mask[np.asarray(valid)] = True
+        self.fast_since_slow = np.zeros(num_slots, dtype=np.int32)
+        self.pending = np.zeros(num_slots, dtype=bool)
+        self.initialized = np.zeros(num_slots, dtype=bool)
         # per-slot settings
-        self.reuse_budget = torch.zeros(num_slots, dtype=torch.int32, **z)
-        self.min_gap = torch.zeros(num_slots, dtype=torch.int32, **z)
-        self.boundary_on = torch.zeros(num_slots, dtype=torch.bool, **z)
-        self.at_ender = torch.zeros(num_slots, dtype=torch.bool, **z)
-        self.dense_below = torch.zeros(num_slots, dtype=torch.int64, **z)
-        self.never_slow = torch.zeros(num_slots, dtype=torch.bool, **z)
-        self.bridge = torch.zeros(num_slots, dtype=torch.int32, **z)
-        self.stagger = torch.zeros(num_slots, dtype=torch.bool, **z)
+        self.reuse_budget = np.zeros(num_slots, dtype=np.int32)
+        self.min_gap = np.zeros(num_slots, dtype=np.int32)
+        self.boundary_on = np.zeros(num_slots, dtype=bool)
+        self.at_ender = np.zeros(num_slots, dtype=bool)
+        self.dense_below = np.zeros(num_slots, dtype=np.int64)
+        self.never_slow = np.zeros(num_slots, dtype=bool)
+        self.bridge = np.zeros(num_slots, dtype=np.int32)
+        self.stagger = np.zeros(num_slots, dtype=bool)
         # reuse-budget offset of the current interval (reuse_stagger: set at a first selection)
-        self.offset = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.offset = np.zeros(num_slots, dtype=np.int32)
         # the bridge: decode steps whose context is below bridge_until[slot] are dense; it is set at
         # the slot's first decode step after a reset (fresh), from that step's context
-        self.fresh = torch.ones(num_slots, dtype=torch.bool, **z)
-        self.bridge_until = torch.zeros(num_slots, dtype=torch.int64, **z)
+        self.fresh = np.ones(num_slots, dtype=bool)
+        self.bridge_until = np.zeros(num_slots, dtype=np.int64)
         self.default_cfg = cfg
         for slot in range(num_slots):
             self.configure(slot, cfg)
@@ -156,7 +170,7 @@ class SlowStepTrigger:
                 "tokenizer, set sfi.boundary_token_ids, or set sfi.boundary_trigger=false"
             )
         refresh = cfg.refreshes_selection
-        self.reuse_budget[slot] = cfg.reuse_budget if refresh else torch.iinfo(torch.int32).max
+        self.reuse_budget[slot] = cfg.reuse_budget if refresh else np.iinfo(np.int32).max
         self.min_gap[slot] = cfg.min_gap
         self.boundary_on[slot] = cfg.boundary_trigger and refresh
         self.at_ender[slot] = cfg.boundary_fire == "at_ender"
@@ -166,14 +180,16 @@ class SlowStepTrigger:
         self.bridge[slot] = cfg.bridge_steps if refresh else 0
         self.stagger[slot] = cfg.reuse_stagger and refresh
 
-    def _bridge_until(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    def _bridge_until(self, slots: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
         """The context length at which each row's bridge ends (set at its first decode step)."""
-        return torch.where(self.fresh[slots], context_lens.to(torch.int64) + self.bridge[slots],
-                           self.bridge_until[slots])
+        return np.where(self.fresh[slots], context_lens + self.bridge[slots], self.bridge_until[slots])
 
-    def reset(self, slots: torch.Tensor) -> None:
+    def _tokens(self, tokens: Any) -> np.ndarray:
+        return np.clip(_host(tokens, np.int64), 0, self.vocab_size - 1)
+
+    def reset(self, slots: Any) -> None:
         """A request started, was preempted or finished: its next decode step is a first step."""
-        slots = slots.to(self.device, torch.long)
+        slots = _host(slots, np.int64)
         self.fast_since_slow[slots] = 0
         self.offset[slots] = 0
         self.pending[slots] = False
@@ -181,21 +197,21 @@ class SlowStepTrigger:
         self.fresh[slots] = True
         self.bridge_until[slots] = 0
 
-    def needs_token(self, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    def needs_token(self, slots: Any, context_lens: Any) -> np.ndarray:
         """Rows whose decision this step depends on their input token: the boundary trigger is on
         and past its minimum gap, and no token-independent trigger (first step, reuse budget,
         dense range, never-slow policy) decides the step anyway."""
-        slots = slots.to(self.device, torch.long)
+        slots = _host(slots, np.int64)
+        context_lens = _host(context_lens, np.int64)
         fast_since = self.fast_since_slow[slots]
-        context_lens = context_lens.to(self.device)
         dense = (context_lens < self.dense_below[slots]) | (context_lens < self._bridge_until(slots, context_lens))
         return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
                 & (fast_since >= self.min_gap[slots])
-                & (fast_since + self.offset[slots] < self.reuse_budget[slots]))
+                & (fast_since.astype(np.int64) + self.offset[slots] < self.reuse_budget[slots]))
 
     def step(
-        self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor,
-        known: torch.Tensor | None = None, allow_unknown: bool = False,
+        self, slots: Any, tokens: Any, context_lens: Any,
+        known: Any | None = None, allow_unknown: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide and advance one decode step for each row.
 
@@ -210,24 +226,24 @@ class SlowStepTrigger:
         lagged reads of :class:`LaggedTokens`) an unknown row may need its token: its boundary
         check is skipped for this step.
         """
-        slots = slots.to(self.device, torch.long)
-        tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
-        context_lens = context_lens.to(self.device)
+        slots = _host(slots, np.int64)
+        tokens = self._tokens(tokens)
+        context_lens = _host(context_lens, np.int64)
         if known is not None:
-            known = known.to(self.device)
+            known = _host(known, bool)
             if not allow_unknown and bool((self.needs_token(slots, context_lens) & ~known).any()):
                 raise RuntimeError("sfi-vllm: a decode row's boundary check needs its token; this is a bug")
 
-        fast_since = self.fast_since_slow[slots]
+        fast_since = self.fast_since_slow[slots].astype(np.int64)
         pending = self.pending[slots]
         is_ender = self.ender[tokens]
         is_skip = self.skip[tokens]
         at_ender = self.at_ender[slots]
-        boundary = torch.where(at_ender, is_ender, pending & ~is_skip)
+        boundary = np.where(at_ender, is_ender, pending & ~is_skip)
         new_pending = ~at_ender & (is_ender | (pending & is_skip))
         if known is not None:
             boundary = boundary & known
-            new_pending = torch.where(known, new_pending, pending)
+            new_pending = np.where(known, new_pending, pending)
         boundary = boundary & self.boundary_on[slots]
 
         until = self._bridge_until(slots, context_lens)
@@ -240,35 +256,33 @@ class SlowStepTrigger:
         bound = boundary & (fast_since >= self.min_gap[slots])
         slow = ~dense & (first | reuse | bound) & ~self.never_slow[slots]
 
-        reason = torch.full_like(slots, int(SlowReason.NONE))
-        reason = torch.where(slow & bound, int(SlowReason.BOUNDARY), reason)
-        reason = torch.where(slow & reuse, int(SlowReason.REUSE_BUDGET), reason)
-        reason = torch.where(slow & first, int(SlowReason.FIRST_DECODE), reason)
-        mode = torch.full_like(slots, int(StepMode.FAST))
-        mode = torch.where(slow, int(StepMode.SLOW), mode)
-        mode = torch.where(dense, int(StepMode.DENSE), mode)
+        reason = np.full(len(slots), int(SlowReason.NONE), dtype=np.int8)
+        reason[slow & bound] = int(SlowReason.BOUNDARY)
+        reason[slow & reuse] = int(SlowReason.REUSE_BUDGET)
+        reason[slow & first] = int(SlowReason.FIRST_DECODE)
+        mode = np.full(len(slots), int(StepMode.FAST), dtype=np.int8)
+        mode[slow] = int(StepMode.SLOW)
+        mode[dense] = int(StepMode.DENSE)
 
-        self.fast_since_slow[slots] = torch.where(
-            slow | dense, torch.zeros_like(fast_since), fast_since + 1
-        )
+        self.fast_since_slow[slots] = np.where(slow | dense, 0, fast_since + 1)
         # the offset shortens only the interval that follows a first selection
         first_slow = slow & first & self.stagger[slots]
-        self.offset[slots] = torch.where(first_slow, reuse_offset(context_lens, budget),
-                                         torch.where(slow | dense, torch.zeros_like(budget), self.offset[slots]))
+        self.offset[slots] = np.where(first_slow, reuse_offset(context_lens, budget),
+                                      np.where(slow | dense, 0, self.offset[slots]))
         self.initialized[slots] = ~dense
         if known is None:
             self.pending[slots] = new_pending & ~dense
         else:  # unknown rows: replay() applies their token and this step's dense flag later
-            self.pending[slots] = torch.where(known, new_pending & ~dense, pending)
-        return mode.to(torch.int8), reason.to(torch.int8)
+            self.pending[slots] = np.where(known, new_pending & ~dense, pending)
+        return torch.from_numpy(mode), torch.from_numpy(reason)
 
-    def replay(self, slots: torch.Tensor, tokens: torch.Tensor, context_lens: torch.Tensor) -> None:
+    def replay(self, slots: Any, tokens: Any, context_lens: Any) -> None:
         """The boundary-state update that :meth:`step` left out for rows with unknown tokens."""
-        slots = slots.to(self.device, torch.long)
-        tokens = tokens.to(self.device, torch.long).clamp(0, self.ender.numel() - 1)
+        slots = _host(slots, np.int64)
+        tokens = self._tokens(tokens)
         pending = self.pending[slots]
         new_pending = ~self.at_ender[slots] & (self.ender[tokens] | (pending & self.skip[tokens]))
-        context_lens = context_lens.to(self.device)
+        context_lens = _host(context_lens, np.int64)
         dense = (context_lens < self.dense_below[slots]) | (context_lens < self.bridge_until[slots])
         self.pending[slots] = new_pending & ~dense
 
@@ -362,24 +376,30 @@ class LaggedTokens:
              contexts: list[int], current_generation: list[int], defer: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Same arguments as :meth:`DeferredTokens.step` (``defer`` is ignored)."""
         self.steps += 1
-        st, ct = torch.tensor(slots), torch.tensor(contexts)
-        lagged = torch.zeros(len(slots), dtype=torch.long)
-        known = torch.zeros(len(slots), dtype=torch.bool)
-        waited: set[int] = set()
+        lagged = np.zeros(len(slots), dtype=np.int64)
+        known = np.zeros(len(slots), dtype=bool)
+        # the rows' earlier tokens, grouped by the copy that holds them (nearly always one: the
+        # previous step's), read with one indexing per copy
+        copies: dict[int, tuple[torch.Tensor, Any, list[int], list[int]]] = {}
         for j, (s, g) in enumerate(zip(slots, generations)):
             prev = self.last.get(s)
             if prev is None or prev[0] != g or current_generation[s] != g:
                 continue
             _, host, idx, event = prev
-            if event is not None and id(event) not in waited:
+            copy = copies.get(id(host))
+            if copy is None:
+                copy = copies[id(host)] = (host, event, [], [])
+            copy[2].append(j)
+            copy[3].append(idx)
+        for host, event, rows_here, idxs in copies.values():
+            if event is not None:
                 self.reads += 1
                 if not event.query():
                     self.waits += 1
                 event.synchronize()
-                waited.add(id(event))
-            lagged[j] = int(host[idx])
-            known[j] = True
-        mode, reason = self.trigger.step(st, lagged, ct, known=known, allow_unknown=True)
+            lagged[rows_here] = host[idxs].numpy()
+            known[rows_here] = True
+        mode, reason = self.trigger.step(slots, lagged, contexts, known=known, allow_unknown=True)
         host, event = self._start_copy(tokens)
         for s, g, r in zip(slots, generations, rows):
             self.last[s] = (g, host, r, event)

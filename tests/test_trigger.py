@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -212,7 +213,7 @@ def test_deferred_tokens_decide_exactly_as_reading_every_token(seed):
         assert torch.equal(m1, m2) and torch.equal(r1, r2), step
         for s in active:
             context[s] += 1
-    assert torch.equal(eager.pending, lazy.pending) or deferred.kept  # kept steps not replayed yet
+    assert np.array_equal(eager.pending, lazy.pending) or deferred.kept  # kept steps not replayed yet
     assert skipped_reads > 10, skipped_reads  # a mixed batch rarely has no row past its gap
 
 
