@@ -15,11 +15,11 @@ A decode step of a sequence is
     a boundary that arrives inside the gap is dropped;
 * ``FAST`` otherwise.
 
-The state is a few host (numpy) arrays indexed by request slot, and :meth:`SlowStepTrigger.step` is
-vectorised over the batch's decode rows. The controller keeps it on the host and feeds it through a reader of
-the last sampled tokens (:func:`token_reader`, ``sfi.boundary_read``): :class:`DeferredTokens`
-reads them only at steps whose decisions depend on them (exact), :class:`LaggedTokens` copies
-them asynchronously and uses each one step later (lagged; the default on a GPU).
+The state is a few host (numpy) arrays indexed by request slot, and :meth:`SlowStepTrigger.step`
+is vectorised over the batch's decode rows. The controller feeds it through a reader of the last
+sampled tokens (:func:`token_reader`, ``sfi.boundary_read``): :class:`DeferredTokens` reads them
+only at steps whose decisions depend on them (exact), :class:`LaggedTokens` copies them
+asynchronously and uses each one step later (lagged; the default on a GPU).
 """
 
 from __future__ import annotations
