@@ -259,7 +259,9 @@ class Policy(_SettingsModel):
         "8 x 32K and 6 x 128K: each row's refresh then runs on its own; "
         "benchmarks/results/e2e-h200-keys-refresh.md); what it changes is which steps re-select",
     )
-    min_gap: int = Field(16, ge=0, le=1 << 20, description="min fast steps between slow steps")
+    min_gap: int = Field(16, ge=0, le=1 << 20,
+                         description="min fast steps between slow steps (at most reuse_budget: a request that lowers "
+                         "reuse_budget below it lowers min_gap too)")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
     )

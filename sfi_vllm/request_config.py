@@ -225,6 +225,20 @@ def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: st
     return where
 
 
+def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engine: SFIConfig) -> str:
+    """For an error of several fields together, the fields its message names (``min_gap (16)``)
+    that the request did not set: they hold the engine's values, which the request may change too."""
+    given = {path[0] for path in names}
+    keys = flat_keys()
+    unset = [f for f in SFIConfig.model_fields
+             if f not in given and f not in REQUEST_FIXED_KEYS and f"{FLAT_PREFIX}{f}" in keys
+             and re.search(rf"\b{re.escape(f)} \(", str(error))]
+    if not unset or not any(re.search(rf"\b{re.escape(p[0])} \(", str(error)) for p in names):
+        return ""
+    return "; " + ", ".join(f"{f} ({getattr(engine, f)!r}) is the engine's value, which the request may set "
+                            f"as well ({FLAT_PREFIX}{f})" for f in unset)
+
+
 def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs") -> SFIConfig:
     """The config a request runs with: the engine's, or its own settings merged over it (see the
     module doc). Raises :class:`SFIRequestError` naming the field."""
@@ -235,6 +249,7 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
     try:  # an error of several fields together (e.g. min_gap > reuse_budget): see _param_at_fault
         cfg = merge_policy(limits.cfg, overrides, field_names={**names, (): where})
     except SFIConfigError as e:
-        raise SFIRequestError(str(e), _param_at_fault(e, names, where)) from None
+        raise SFIRequestError(str(e) + _engine_values_hint(e, names, limits.cfg),
+                              _param_at_fault(e, names, where)) from None
     check_request_config(limits, cfg, names)
     return cfg

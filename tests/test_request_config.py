@@ -74,6 +74,9 @@ def test_the_three_forms_give_the_same_config():
     ({"sfi_selected_tokens": 65}, "vllm_xargs.sfi_selected_tokens", "sinks + K <= 68"),
     ({"sfi_sinks": 8}, "vllm_xargs.sfi_sinks", "sinks + K <= 68"),
     ({"sfi_reuse_budget": 4}, "vllm_xargs.sfi_reuse_budget", "min_gap (16) must be <= reuse_budget (4)"),
+    # ... and says which of the fields it names hold the engine's values, and their keys
+    ({"sfi_reuse_budget": 4}, "vllm_xargs.sfi_reuse_budget", "min_gap (16) is the engine's value, which the "
+     "request may set as well (sfi_min_gap)"),
     # an error of two fields names the request's field that the message names, not its first key
     ({"sfi_selected_tokens": 16, "sfi_reuse_budget": 8}, "vllm_xargs.sfi_reuse_budget", "reuse_budget (8)"),
     ({"sfi": {"selected_tokens": 16, "reuse_budget": 8}}, "vllm_xargs.sfi.reuse_budget", "reuse_budget (8)"),
