@@ -260,8 +260,8 @@ class Policy(_SettingsModel):
         "benchmarks/results/e2e-h200-keys-refresh.md); what it changes is which steps re-select",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
-                         description="min fast steps between slow steps (at most reuse_budget: a request that lowers "
-                         "reuse_budget below it lowers min_gap too)")
+                         description="min fast steps between slow steps (at most reuse_budget: a request that sets "
+                         "reuse_budget below the engine's min_gap must set min_gap too)")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
     )
