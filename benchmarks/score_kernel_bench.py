@@ -53,17 +53,18 @@ def key_cache_and_table(batch: int, context: int, shuffle: bool, dtype=torch.bfl
 
 
 @triton.jit
-def _norms_only(KC, BT, NORMS, stride_kb, stride_kt, stride_kh, stride_btb, stride_nb, stride_nh,
+def _norms_only(KC, BT, NORMS, stride_kb, stride_kt, stride_kh, stride_btb, stride_nb, stride_nh, ctx,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """The score kernel's loads and its norms, without the logits: a read ceiling for its grid."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = tl.load(BT + b * stride_btb + n // PAGE).to(tl.int64)
+    valid = n < ctx
+    blk = tl.load(BT + b * stride_btb + n // PAGE, mask=valid, other=0).to(tl.int64)
     off = (n % PAGE).to(tl.int64)
     k = tl.load(KC + blk[:, None] * stride_kb + off[:, None] * stride_kt + h * stride_kh
-                + tl.arange(0, D)[None, :]).to(tl.float32)
-    tl.store(NORMS + b * stride_nb + h * stride_nh + n, tl.sqrt(tl.sum(k * k, 1)))
+                + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(NORMS + b * stride_nb + h * stride_nh + n, tl.sqrt(tl.sum(k * k, 1)), mask=valid)
 
 
 def ceilings(kc, bt, B: int, ctx: int, width: int, key_bytes: int) -> list[dict]:
@@ -73,8 +74,9 @@ def ceilings(kc, bt, B: int, ctx: int, width: int, key_bytes: int) -> list[dict]
     nm = torch.empty(B, HKV, width, device="cuda")
 
     def norms():
-        _norms_only[(B, HKV, ctx // BLOCK_N)](kc, bt, nm, kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
-                                             nm.stride(0), nm.stride(1), D=D, BLOCK_N=BLOCK_N, PAGE=PAGE)
+        _norms_only[(B, HKV, triton.cdiv(ctx, BLOCK_N))](kc, bt, nm, kc.stride(0), kc.stride(1), kc.stride(2),
+                                                        bt.stride(0), nm.stride(0), nm.stride(1), ctx,
+                                                        D=D, BLOCK_N=BLOCK_N, PAGE=PAGE)
 
     blocks = kc[: B * (-(-ctx // PAGE))]
     out = []
@@ -117,8 +119,8 @@ def main() -> int:
         ref = None
         ranked = []
         for block_n, warps in configs:
-            lg = torch.empty(B, HKV, HQ // HKV, width, device="cuda")
-            nm = torch.empty(B, HKV, width, device="cuda")
+            lg = torch.full((B, HKV, HQ // HKV, width), float("nan"), device="cuda")  # unwritten: NaN
+            nm = torch.full((B, HKV, width), float("nan"), device="cuda")
 
             def launch():
                 return slow_scores.slow_step_scores(q, kc, bt, lens, width, D ** -0.5, block_n=block_n,

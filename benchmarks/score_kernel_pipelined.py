@@ -89,6 +89,8 @@ def main() -> int:
     args = ap.parse_args()
     from sfi_vllm.kernels.slow_scores import slow_step_scores
 
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows, ok = [], True
     for point in args.points.split(","):
         B, ctx = (int(x) for x in point.split("x"))
@@ -130,7 +132,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         kc = bt = q = None  # free the cache before the next point
         torch.cuda.empty_cache()
-    with open(Path(args.out) / "score-kernel-pipelined-h200.jsonl", "a") as f:
+    with open(out_dir / "score-kernel-pipelined-h200.jsonl", "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return 0 if ok else 1

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import numpy as np
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, ValidationInfo, field_validator,
                       model_validator)
@@ -75,9 +76,9 @@ def _refuse_bool_number(model: type[BaseModel], value: Any, info: ValidationInfo
     field = model.model_fields.get(info.field_name or "")
     if field is None or not _takes_numbers(field.annotation):
         return value
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise ValueError(f"expects a number, not the boolean {value!r}")
-    if isinstance(value, list) and any(isinstance(v, bool) for v in value):
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in value):
         raise ValueError("expects a list of numbers, and this one holds a boolean")
     return value
 

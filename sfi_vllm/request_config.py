@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import SFIConfig, SFIConfigError, engine_fields, merge_policy
+from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, engine_fields, merge_policy, preset_values
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -112,13 +112,17 @@ def sfi_entries(extra_args: Any) -> dict[str, Any]:
     return {k: v for k, v in extra_args.items() if _looks_sfi(k)}
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object (:func:`_object_without_duplicates`)."""
+
+
 def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``json.loads``' object hook: a key given twice in one object is an error (JSON parsing
     would otherwise keep the last value and drop the first without a word)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"the key {key!r} is given twice")
+            raise _DuplicateKey(f"the key {key!r} is given twice")
         out[key] = value
     return out
 
@@ -151,11 +155,11 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
         if isinstance(raw, str):
             try:
                 raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
-            except json.JSONDecodeError as e:
+            except _DuplicateKey as e:
+                raise SFIRequestError(f"{name}: {e}; give each setting once", name) from None
+            except ValueError as e:  # json.JSONDecodeError, or a number JSON parsing refuses
                 raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
-            except ValueError as e:  # a key given twice (_object_without_duplicates)
-                raise SFIRequestError(f"{name}: {e}; give each setting once", name) from None
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -225,10 +229,14 @@ def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: st
     return where
 
 
-def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engine: SFIConfig) -> str:
+def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engine: SFIConfig,
+                        overrides: Mapping[str, Any]) -> str:
     """For an error of several fields together, the fields its message names (``min_gap (16)``)
-    that the request did not set: they hold the engine's values, which the request may change too."""
+    that neither the request nor a preset it names set: they hold the engine's values, which the
+    request may change too."""
     given = {path[0] for path in names}
+    if isinstance(overrides.get("preset"), str) and overrides["preset"] in PRESETS:
+        given |= set(preset_values(overrides["preset"]))
     keys = flat_keys()
     unset = [f for f in SFIConfig.model_fields
              if f not in given and f not in REQUEST_FIXED_KEYS and f"{FLAT_PREFIX}{f}" in keys
@@ -249,7 +257,7 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
     try:  # an error of several fields together (e.g. min_gap > reuse_budget): see _param_at_fault
         cfg = merge_policy(limits.cfg, overrides, field_names={**names, (): where})
     except SFIConfigError as e:
-        raise SFIRequestError(str(e) + _engine_values_hint(e, names, limits.cfg),
+        raise SFIRequestError(str(e) + _engine_values_hint(e, names, limits.cfg, overrides),
                               _param_at_fault(e, names, where)) from None
     check_request_config(limits, cfg, names)
     return cfg

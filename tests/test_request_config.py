@@ -82,6 +82,10 @@ def test_the_three_forms_give_the_same_config():
     ({"sfi": {"selected_tokens": 16, "reuse_budget": 8}}, "vllm_xargs.sfi.reuse_budget", "reuse_budget (8)"),
     ({"sfi_sinks": 2, "sfi": {"sinks": 2}}, "vllm_xargs.sfi_sinks", "given twice"),
     ({"sfi_selector_alpha": 1, "sfi": {"selector": {"gamma": 1}}}, None, None),  # different fields: fine
+    # ... but not for a value the request's own preset set (the speed preset's reuse_budget is 20)
+    ({"sfi_preset": "speed", "sfi_min_gap": 30}, "vllm_xargs.sfi_min_gap", "reuse_budget (20)"),
+    # a number JSON parsing refuses is no duplicate key
+    ({"sfi": '{"reuse_budget": ' + "1" * 5000 + "}"}, "vllm_xargs.sfi", "not valid JSON"),
     # a key twice in the JSON string (json.loads alone would keep the last without a word)
     ({"sfi": '{"selected_tokens": 16, "selected_tokens": 32}'}, "vllm_xargs.sfi", "'selected_tokens' is given twice"),
     ({"sfi": '{"selector": {"alpha": 1, "alpha": 2}}'}, "vllm_xargs.sfi", "'alpha' is given twice"),
@@ -104,11 +108,15 @@ def test_bad_request_settings_name_the_field(extra, param, needle):
     with pytest.raises(SFIRequestError) as info:
         resolve_request_config(limits(), extra)
     assert info.value.param == param and needle in str(info.value), (info.value.param, str(info.value))
+    if extra == {"sfi_preset": "speed", "sfi_min_gap": 30}:
+        assert "engine's value" not in str(info.value)
 
 
 def test_an_engines_config_refuses_booleans_for_numbers_and_non_finite_numbers():
     for bad, needle in (({"reuse_budget": True}, "not the boolean"), ({"fused_scores_tokens": False}, "not the boolean"),
                         ({"boundary_token_ids": [7, True]}, "holds a boolean"),
+                        ({"boundary_token_ids": (7, np.bool_(True))}, "holds a boolean"),
+                        ({"selected_fraction": np.bool_(True)}, "not the boolean"),
                         ({"compact_memory_gib": float("inf")}, "finite number")):
         with pytest.raises(SFIConfigError, match=needle):
             build_config(bad, use_env=False)
