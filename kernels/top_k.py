@@ -37,21 +37,14 @@ def _sort_key(x):
 
 
 @triton.jit
-def _top_k(S, K, OUT, stride_sb, stride_sh, stride_ob, stride_oh, width, lo, kmax,
-           HKV: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid // HKV
-    h = pid % HKV
-    row = S + b * stride_sb + h * stride_sh
-    out = OUT + b * stride_ob + h * stride_oh
-    k = tl.minimum(tl.load(K + b), kmax).to(tl.int32)
+def _radix_select(row, width, need, BLOCK: tl.constexpr):
+    """The ``need``-th largest of the ``width`` float32 scores at ``row`` (``need >= 1``), as its
+    key: ``(thr, ties)``, where ``ties`` is how many of the keys equal to ``thr`` belong to the
+    top ``need``. Four radix passes, 8 bits each, most significant first: a 256-bin histogram of
+    the keys that share the prefix found so far narrows the key down one byte per pass."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-
-    # 1) radix select: prefix holds the top bytes of the K-th largest key found so far; need is
-    # how many of the keys sharing that prefix still belong to the top K
     prefix = tl.zeros([], tl.int64)
-    need = k
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # p is a compile-time constant (static_range), so is shift
         hist = tl.zeros([256], tl.int32)
@@ -72,7 +65,22 @@ def _top_k(S, K, OUT, stride_sb, stride_sh, stride_ob, stride_oh, width, lo, kma
         d = tl.max(tl.where(hit, bins, -1), 0)
         need = need - tl.sum(tl.where(bins == d, above, 0), 0)
         prefix = (prefix << 8) | d.to(tl.int64)
-    thr = prefix
+    return prefix, need
+
+
+@triton.jit
+def _top_k(S, K, OUT, stride_sb, stride_sh, stride_ob, stride_oh, width, lo, kmax,
+           HKV: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    row = S + b * stride_sb + h * stride_sh
+    out = OUT + b * stride_ob + h * stride_oh
+    k = tl.minimum(tl.load(K + b), kmax).to(tl.int32)
+    offs = tl.arange(0, BLOCK)
+
+    # 1) radix select: the K-th largest key, and how many of its ties are taken
+    thr, need = _radix_select(row, width, k, BLOCK)
 
     # 2) ordered compaction
     taken = tl.zeros([], tl.int32)

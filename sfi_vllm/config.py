@@ -102,13 +102,15 @@ class ExperimentalConfig(_StrictNumbers):
     def _promoted_fields(cls, data: Any) -> Any:
         return _refuse_moved(data, PROMOTED_FIELDS, "sfi.experimental.", "sfi.")
 
-    selector_top_k: Literal["torch", "triton"] = Field(
+    selector_top_k: Literal["auto", "torch", "triton"] = Field(
         "torch",
-        description="GPU kernel path, where the fused Selector runs: the top-K of its scores by "
-        "torch.topk and torch.sort (torch, default), or by one Triton launch that finds the K-th "
-        "score by radix select and writes the chosen positions in order (triton: slower than torch "
-        "except at narrow frames, benchmarks/results/topk-h200.md; ties go to the lower positions; "
-        "token-level selection only: page selection always takes torch's)",
+        description="GPU kernel path, where the fused Selector runs: the top-K of its scores. "
+        "torch (default): torch.topk and torch.sort (the reference; page selection's top-K over "
+        "pages as a dozen torch launches); auto: page selection by one Triton launch per call "
+        "(kernels/top_k_pages.py), token-level selection by torch's; triton: Triton kernels for "
+        "both (token-level: a radix select that writes the chosen positions in order, slower than "
+        "torch except at narrow frames, benchmarks/results/topk-h200.md). The Triton kernels give "
+        "ties between scores to the lower position or page",
     )
     keys_only_scores: Literal["refresh", "fast_kernel"] = Field(
         "refresh",

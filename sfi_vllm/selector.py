@@ -246,20 +246,24 @@ def top_k_positions(scores: torch.Tensor | PageScores, lo: int, k: torch.Tensor,
     return torch.sort(idx, dim=-1).values + lo
 
 
-def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int) -> torch.Tensor:
+def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int, stable: bool = False) -> torch.Tensor:
     """Step 6 of page selection, as :func:`top_k_positions` returns it: per row and head, pages are
     taken whole in descending page score until ``k[b]`` tokens are taken; of the page that would pass
     the budget, its best tokens by ``log s`` (ties to the lower position). Only one page of a row
     holds fewer than ``page`` candidates (its last), so the ``ceil(kmax / page) + 1`` best pages
     always hold the budget: top-K runs over those pages and never over the tokens, and only the one
     page taken in part is ranked inside. Ties between equal page scores are taken in any order (as
-    torch.topk's)."""
+    torch.topk's); ``stable``: to the lower page (a stable sort; the rule of the Triton kernel,
+    ``sfi_vllm.kernels.top_k_pages``)."""
     pages, tokens, g = scores
     B, hkv, units = pages.shape
     width = tokens.shape[-1]
     dev = pages.device
     kp = min(units, -(-kmax // g) + 1)
-    top = torch.topk(pages, kp, dim=-1).indices  # (B, Hkv, kp), best page first
+    if stable:
+        top = torch.sort(pages, dim=-1, descending=True, stable=True).indices[..., :kp]
+    else:
+        top = torch.topk(pages, kp, dim=-1).indices  # (B, Hkv, kp), best page first
     off = torch.arange(g, device=dev)
     pos = top[..., None] * g + off  # (B, Hkv, kp, g) candidate indices
     tok = torch.gather(tokens, -1, pos.clamp_max(width - 1).flatten(2)).view(B, hkv, kp, g)

@@ -13,15 +13,16 @@ running request (``benchmarks/results/serve-bench-qwen-h200.md``).
 
 :func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the
 fast-step kernel and its merge at every eager split count, the slow-step score kernel, the
-Selector's kernels at every statistics pad with the engine's Selector settings, and both repack
-kernels. It reads the layer's real KV cache (block 0, through its own block table) and writes
+Selector's kernels at every statistics pad with the engine's Selector settings, the page top-K at
+every tile of best pages up to the engine's budget, and both repack kernels. It reads the layer's real KV cache (block 0, through its own block table) and writes
 only buffers of its own. What else made variants is kept from varying: integer arguments that
 change with the batch (row strides, selection sizes, split counts) are ``do_not_specialize`` in
 the kernels, and the per-step host tables whose rows the kernels take as pointers are laid out
 with every row 16-byte aligned (:func:`sfi_vllm.host_copy.rows_to_device`).
 
 Not covered: Selector settings that a request changes (its own ``selector`` fields are
-compile-time constants; the first such request compiles them), other page sizes or dtypes than
+compile-time constants, and a budget above the engine's can need a wider page top-K tile; the first
+such request compiles them), other page sizes or dtypes than
 the first SFI layer's, and the uniform launch's split counts when it runs without FULL graphs
 (``--enforce-eager``, or a drafter pass in piecewise graphs): each new batch size compiles there.
 """
@@ -120,6 +121,27 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
         count = torch.full((1,), float(frame - lo), dtype=torch.float32, device=dev)
         launch(f"selector_scores splits={n}", lambda lg=lg, nm=nm, count=count, n=n: selector_scores(
             cfg.selector, lg, nm, lo, count, target_programs=n * hkv))
+
+    # the page top-K (page selection, unless selector_top_k is torch): one variant per tile of best
+    # pages up to the engine's budget (a request's larger K compiles its own)
+    page_sel = cfg.selector.page_size
+    if fused_selector and page_sel > 1 and cfg.experimental.selector_top_k != "torch":
+        from sfi_vllm.kernels.top_k_pages import MIN_PAGE_TILE, top_k_pages
+        from sfi_vllm.selector import PageScores
+
+        budget = cfg.selected_tokens if cfg.selected_tokens is not None else cfg.selected_cap
+        tile = MIN_PAGE_TILE
+        while True:
+            kmax = page_sel * (tile - 1)  # ceil(kmax / page) + 1 == tile pages
+            width = -(-(tile * page_sel) // WIDTH_BUCKET) * WIDTH_BUCKET
+            scores = PageScores(torch.randn(1, hkv, width // page_sel, dtype=torch.float32, device=dev),
+                                torch.randn(1, hkv, width, dtype=torch.float32, device=dev), page_sel)
+            budgets = torch.full((1,), kmax, dtype=torch.long, device=dev)
+            launch(f"top_k_pages tile={tile}", lambda scores=scores, budgets=budgets, kmax=kmax: top_k_pages(
+                scores, lo, budgets, kmax))
+            if -(-budget // page_sel) + 1 <= tile:
+                break
+            tile *= 2
 
     # the repacks of sinks + a selection into a set of their own: the per-step refresh's (int64
     # positions from the top-K, with the publish, as it always runs) and the per-layer path's

@@ -42,25 +42,24 @@ from sfi_vllm.selector import Selector, select_batched_static, top_k_positions
 logger = logging.getLogger("sfi_vllm")
 
 def top_k_function(kind: str, page_size: int = 0):
-    """``sfi.experimental.selector_top_k``: the top-K after the fused Selector, torch's (the reference,
-    :func:`sfi_vllm.selector.top_k_positions`) or the Triton kernel (``sfi_vllm.kernels.top_k``).
-    Page selection (``page_size > 1``) always takes torch's, whose top-K runs over pages
-    (:func:`sfi_vllm.selector.top_k_pages`); the kernel selects tokens."""
-    if kind not in ("torch", "triton"):
+    """``sfi.experimental.selector_top_k``: the top-K after the fused Selector. ``torch``: the
+    reference (:func:`sfi_vllm.selector.top_k_positions`, which hands page scores to
+    :func:`sfi_vllm.selector.top_k_pages`); ``triton``: the Triton kernels
+    (``sfi_vllm.kernels.top_k_pages`` for page selection, ``page_size > 1``, and
+    ``sfi_vllm.kernels.top_k`` for token-level selection); ``auto``: the page kernel for page
+    selection and torch's for token-level selection (the token kernel is slower than torch at
+    wide frames)."""
+    if kind not in ("auto", "torch", "triton"):
         raise ValueError(f"experimental.selector_top_k: unknown kind {kind!r}")
-    if kind == "triton" and page_size <= 1:
+    if kind in ("auto", "triton") and page_size > 1:
+        from sfi_vllm.kernels.top_k_pages import top_k_pages
+
+        return top_k_pages
+    if kind == "triton":
         from sfi_vllm.kernels.top_k import top_k_positions as kernel
 
         return kernel
-    if kind == "triton" and not _TOP_K_NOTED:
-        _TOP_K_NOTED.append(True)
-        logger.info("sfi-vllm: experimental.selector_top_k triton applies to token-level selection; "
-                    "page selection "
-                    "(selector.page_size %d) takes torch's top-K", page_size)
     return top_k_positions
-
-
-_TOP_K_NOTED: list[bool] = []
 
 
 WIDTH_BUCKET = 2048

@@ -27,22 +27,25 @@ class Recorder:
         return launch
 
 
-def run_warmup(device, dtype, monkeypatch, hq=4, hkv=2, d=32, page=16):
+def run_warmup(device, dtype, monkeypatch, hq=4, hkv=2, d=32, page=16, sfi=None):
     import sfi_vllm.kernels.fast_decode as fast_decode
     import sfi_vllm.kernels.repack as repack
     import sfi_vllm.kernels.selector_scores as selector_scores
     import sfi_vllm.kernels.slow_scores as slow_scores
+    import sfi_vllm.kernels.top_k_pages as top_k_pages
     from sfi_vllm.backends.kernel_warmup import LayerGeometry, warm_up_eager_kernels
     from sfi_vllm.config import build_config
 
     rec = {}
     for module, name in ((fast_decode, "_fast_decode_split"), (fast_decode, "_merge_splits"),
                          (slow_scores, "_slow_scores"), (selector_scores, "_stats_total"),
-                         (selector_scores, "_stats_finish"), (repack, "_repack_selected"), (repack, "_repack")):
+                         (selector_scores, "_stats_finish"), (repack, "_repack_selected"), (repack, "_repack"),
+                         (top_k_pages, "_top_k_pages")):
         rec[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, rec[name])
     _, kc, vc = paged_cache(3, page, hkv, d, dtype, device, torch.Generator().manual_seed(0))
-    done, failed = warm_up_eager_kernels(LayerGeometry(hq, hkv, d, d ** -0.5), kc, vc, build_config({}, use_env=False))
+    done, failed = warm_up_eager_kernels(LayerGeometry(hq, hkv, d, d ** -0.5), kc, vc,
+                                         build_config(sfi or {}, use_env=False), **({"selector_splits": (2,)} if sfi else {}))
     assert failed == []
     return done, rec
 
@@ -53,6 +56,7 @@ def run_warmup(device, dtype, monkeypatch, hq=4, hkv=2, d=32, page=16):
 ])
 def test_warmup_launches_every_eager_configuration(device, dtype, monkeypatch):
     from sfi_vllm.backends.kernel_warmup import EAGER_SPLITS, selector_split_counts
+    from sfi_vllm.config import build_config
 
     done, rec = run_warmup(device, dtype, monkeypatch)
     assert {k["NUM_SPLITS"] for k in rec["_fast_decode_split"].launches} == set(EAGER_SPLITS)
@@ -63,7 +67,10 @@ def test_warmup_launches_every_eager_configuration(device, dtype, monkeypatch):
     assert {k["S_PAD"] for k in rec["_stats_finish"].launches} == pads
     assert {k["PUBLISH"] for k in rec["_repack_selected"].launches} == {True}  # the refresh always publishes
     assert len(rec["_repack"].launches) == 1
-    assert len(done) == len(EAGER_SPLITS) + 1 + len(pads) + 2
+    # the default budget (2048 tokens: 129 pages of 16) fits the smallest tile of best pages
+    page_kernel = build_config({}, use_env=False).experimental.selector_top_k != "torch"
+    assert [k["KP_PAD"] for k in rec["_top_k_pages"].launches] == ([256] if page_kernel else [])
+    assert len(done) == len(EAGER_SPLITS) + 1 + len(pads) + page_kernel + 2
 
 
 @pytest.mark.parametrize("device", [case("cpu", id="float32")])
@@ -84,7 +91,20 @@ def test_a_failing_configuration_does_not_stop_the_others(device, monkeypatch):
     done, failed = warm_up_eager_kernels(LayerGeometry(4, 2, 32, 32 ** -0.5), kc, vc, build_config({}, use_env=False),
                                          selector_splits=(2,))
     assert failed == ["fast_decode splits=4: RuntimeError: out of resources"]
-    assert len(done) == len(EAGER_SPLITS) - 1 + 1 + 1 + 2 and "repack" in done
+    page_kernel = build_config({}, use_env=False).experimental.selector_top_k != "torch"
+    assert len(done) == len(EAGER_SPLITS) - 1 + 1 + 1 + page_kernel + 2 and "repack" in done
+
+
+@pytest.mark.parametrize("device", [case("cpu", id="float32")])
+def test_warmup_compiles_the_page_top_k_up_to_the_engines_budget(device, monkeypatch):
+    """A budget of 8,192 tokens (513 pages of 16) needs tiles of 256, 512 and 1,024 best pages
+    (shorter contexts take the smaller ones); with ``selector_top_k: torch`` no page top-K kernel
+    runs, so none is compiled."""
+    _, rec = run_warmup(device, torch.float32, monkeypatch,
+                        sfi={"selected_tokens": 8192, "experimental": {"selector_top_k": "auto"}})
+    assert [k["KP_PAD"] for k in rec["_top_k_pages"].launches] == [256, 512, 1024]
+    _, rec = run_warmup(device, torch.float32, monkeypatch, sfi={"experimental": {"selector_top_k": "torch"}})
+    assert rec["_top_k_pages"].launches == []
 
 
 def test_host_tables_have_every_row_16_byte_aligned():
@@ -116,6 +136,10 @@ def test_warmup_covers_what_the_eager_path_can_choose():
     pads = {max(2, triton.next_power_of_2(stat_splits(rows * hkv, WIDTH_BUCKET * m - sinks, 1024)))
             for rows in (1, 2, 3, 16, 100, 1000) for hkv in (1, 8) for m in (1, 2, 5, 64) for sinks in (0, 4)}
     assert pads <= {max(2, n) for n in selector_split_counts()}
+    # the page top-K: every budget up to the default's and every frame share the smallest tile
+    from sfi_vllm.kernels.top_k_pages import MIN_PAGE_TILE, page_tile
+
+    assert {page_tile(k, 16, WIDTH_BUCKET * m // 16) for k in range(1, 2049, 17) for m in (1, 2, 64)} == {MIN_PAGE_TILE}
 
 
 def test_failed_warmup_is_logged_and_startup_goes_on(monkeypatch, caplog):
