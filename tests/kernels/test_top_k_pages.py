@@ -52,6 +52,8 @@ CASES = [
     case("cpu", dict(hkv=2, width=700, kmax=64, block=16, n=(700, 500, 333, 41, 3)), id="hkv2-w700-k64-b16"),
     case("cpu", dict(hkv=3, width=513, page=8, kmax=100, block=32, n=(513, 400, 20), k=(100, 37, 100)),
          id="hkv3-w513-p8-k100"),
+    case("cpu", dict(hkv=2, width=20, kmax=5, block=16, n=(20, 3), k=(5, 5)), id="hkv2-w20-k5-two-pages"),
+    case("cpu", dict(hkv=2, width=300, page=32, kmax=70, block=16, n=(300, 290), k=(70, 1)), id="hkv2-w300-p32-k70"),
     case("cuda", {}, id="hkv8-w35000-k2048"),
     case("cuda", dict(width=131072, n=(131072, 130000, 70001, 4096, 2100), block=2048), id="hkv8-w131072-k2048"),
     case("cuda", dict(width=20000, kmax=8192, n=(20000, 9000, 8192, 100, 8191)), id="hkv8-w20000-k8192"),
