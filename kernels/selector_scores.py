@@ -41,8 +41,8 @@ from sfi_vllm.selector import PageScores, page_mass, page_radius
 # One program per (row, head) streaming a 128K frame was latency-bound on the H200 (3.2 ms per
 # layer at 6 x 128K, 48 programs). The launch defaults (4096 programs, 8 warps, 1024-position
 # fusion and soft-NMS tiles) are the fastest of benchmarks/selector_bench.py's configurations on the
-# H200 at three of its four points and second at the fourth: 12-30% faster than the earlier
-# 512 programs / 4 warps / 256 tiles, with the same top-K (results/selector-tune-h200.md).
+# H200 at three of its four points and second at the fourth, 12-30% faster than 512 programs /
+# 4 warps / 256 tiles, with the same top-K (results/selector-tune-h200.md).
 TARGET_PROGRAMS = 4096
 MAX_SPLITS = 64
 

