@@ -103,14 +103,15 @@ class ExperimentalConfig(_StrictNumbers):
         return _refuse_moved(data, PROMOTED_FIELDS, "sfi.experimental.", "sfi.")
 
     selector_top_k: Literal["auto", "torch", "triton"] = Field(
-        "torch",
+        "auto",
         description="GPU kernel path, where the fused Selector runs: the top-K of its scores. "
-        "torch (default): torch.topk and torch.sort (the reference; page selection's top-K over "
-        "pages as a dozen torch launches); auto: page selection by one Triton launch per call "
-        "(kernels/top_k_pages.py), token-level selection by torch's; triton: Triton kernels for "
-        "both (token-level: a radix select that writes the chosen positions in order, slower than "
-        "torch except at narrow frames, benchmarks/results/topk-h200.md). The Triton kernels give "
-        "ties between scores to the lower position or page",
+        "auto (default): page selection by one Triton launch per call (kernels/top_k_pages.py; "
+        "0.47-0.58x the time of torch's on the H200, benchmarks/results/topk-pages-h200.md), "
+        "token-level selection by torch.topk and torch.sort; torch: torch's for both (the "
+        "reference; over pages a dozen launches); triton: Triton kernels for both (token-level: a "
+        "radix select that writes the chosen positions in order, slower than torch except at "
+        "narrow frames, benchmarks/results/topk-h200.md). The Triton kernels give ties between "
+        "scores to the lower position or page",
     )
     keys_only_scores: Literal["refresh", "fast_kernel"] = Field(
         "refresh",

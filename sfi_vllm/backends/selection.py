@@ -87,7 +87,7 @@ class _Entry:
 
 class SlowStepSelection:
     def __init__(self, max_graphs: int = MAX_GRAPHS, fused_max_frame: int = FUSED_MAX_FRAME,
-                 capture_after: int = CAPTURE_AFTER, top_k: str = "torch") -> None:
+                 capture_after: int = CAPTURE_AFTER, top_k: str = "auto") -> None:
         self.max_graphs = max_graphs
         self.top_k_kind = top_k  # sfi.experimental.selector_top_k
         top_k_function(top_k)  # validates the kind
