@@ -106,6 +106,12 @@ def _top_k_pages(PAGES, TOKENS, K, OUT, SCRATCH,
         tl.store(out + n, tl.zeros([BLOCK], tl.int64) + width + lo, mask=n < kmax)
 
 
+def supports(page: int) -> bool:
+    """Page sizes the kernel takes: powers of two up to 32 (a page's tokens are one ``tl.arange``
+    and its taken tokens one bit mask of the packed int64 it sorts by)."""
+    return 1 < page <= 32 and page & (page - 1) == 0
+
+
 # The smallest tile of best pages (a compile-time constant): every budget up to 255 pages (4,080
 # tokens of 16-token pages) and every short context shares one compiled kernel
 MIN_PAGE_TILE = 256
@@ -129,7 +135,7 @@ def top_k_pages(scores: PageScores, lo: int, k: torch.Tensor, kmax: int, block: 
     assert tokens.shape[:2] == (B, hkv) and units == -(-width // g)
     assert pages.dtype == torch.float32 and tokens.dtype == torch.float32
     assert pages.stride(-1) == 1 and tokens.stride(-1) == 1
-    assert 1 < g <= 32 and g & (g - 1) == 0, "page size: a power of two, at most 32 (the bit masks)"
+    assert supports(g), "page size: a power of two, at most 32 (the bit masks)"
     if out is None:
         out = torch.empty(B, hkv, kmax, dtype=torch.long, device=pages.device)
     assert out.shape == (B, hkv, kmax) and out.stride(-1) == 1

@@ -106,7 +106,8 @@ class ExperimentalConfig(_StrictNumbers):
         "auto",
         description="GPU kernel path, where the fused Selector runs: the top-K of its scores. "
         "auto (default): page selection by one Triton launch per call (kernels/top_k_pages.py; "
-        "0.47-0.58x the time of torch's on the H200, benchmarks/results/topk-pages-h200.md), "
+        "0.47-0.58x the time of torch's on the H200, benchmarks/results/topk-pages-h200.md; page "
+        "sizes that are powers of two up to 32, others take torch's), "
         "token-level selection by torch.topk and torch.sort; torch: torch's for both (the "
         "reference; over pages a dozen launches); triton: Triton kernels for both (token-level: a "
         "radix select that writes the chosen positions in order, slower than torch except at "

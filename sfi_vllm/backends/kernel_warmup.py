@@ -125,7 +125,9 @@ def warm_up_eager_kernels(geometry: LayerGeometry, key_cache: torch.Tensor, valu
     # the page top-K (page selection, unless selector_top_k is torch): one variant per tile of best
     # pages up to the engine's budget (a request's larger K compiles its own)
     page_sel = cfg.selector.page_size
-    if fused_selector and page_sel > 1 and cfg.experimental.selector_top_k != "torch":
+    from sfi_vllm.kernels.top_k_pages import supports
+
+    if fused_selector and supports(page_sel) and cfg.experimental.selector_top_k != "torch":
         from sfi_vllm.kernels.top_k_pages import MIN_PAGE_TILE, top_k_pages
         from sfi_vllm.selector import PageScores
 

@@ -48,13 +48,14 @@ def top_k_function(kind: str, page_size: int = 0):
     (``sfi_vllm.kernels.top_k_pages`` for page selection, ``page_size > 1``, and
     ``sfi_vllm.kernels.top_k`` for token-level selection); ``auto``: the page kernel for page
     selection and torch's for token-level selection (the token kernel is slower than torch at
-    wide frames)."""
+    wide frames). The page kernel takes page sizes that are powers of two up to 32; a request's
+    other page size (2-256 are allowed) takes torch's whatever the kind."""
     if kind not in ("auto", "torch", "triton"):
         raise ValueError(f"experimental.selector_top_k: unknown kind {kind!r}")
-    if kind in ("auto", "triton") and page_size > 1:
-        from sfi_vllm.kernels.top_k_pages import top_k_pages
+    if page_size > 1:
+        from sfi_vllm.kernels.top_k_pages import supports, top_k_pages
 
-        return top_k_pages
+        return top_k_pages if kind != "torch" and supports(page_size) else top_k_positions
     if kind == "triton":
         from sfi_vllm.kernels.top_k import top_k_positions as kernel
 

@@ -63,3 +63,20 @@ CASES = [
 @pytest.mark.parametrize("device,kw", CASES)
 def test_top_k_pages(device, kw):
     check_top_k_pages(device, **kw)
+
+
+def test_page_sizes_the_kernel_does_not_take_get_torchs_top_k():
+    """A request may set any page size from 2 to 256; the kernel takes powers of two up to 32 and
+    the others go to torch's top-K (a slow step must not fail on the kernel's assertion)."""
+    from sfi_vllm.backends.selection import top_k_function
+    from sfi_vllm.kernels.top_k import top_k_positions as token_kernel
+    from sfi_vllm.kernels.top_k_pages import supports, top_k_pages as page_kernel
+    from sfi_vllm.selector import top_k_positions
+
+    assert [p for p in range(2, 257) if supports(p)] == [2, 4, 8, 16, 32]
+    for kind in ("auto", "triton"):
+        assert top_k_function(kind, 16) is page_kernel
+        for page in (3, 24, 64, 256):
+            assert top_k_function(kind, page) is top_k_positions
+    assert top_k_function("torch", 16) is top_k_positions
+    assert top_k_function("auto", 0) is top_k_positions and top_k_function("triton", 1) is token_kernel
