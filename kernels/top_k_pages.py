@@ -34,7 +34,10 @@ from sfi_vllm.selector import PageScores
 _LOW32 = 0xFFFFFFFF
 
 
-@triton.jit(do_not_specialize=["kmax", "kp"])  # the batch's largest budget changes with its requests
+# every integer that follows the batch or its budgets (the output's strides follow kmax), so that
+# Triton's specialisation of integers (equal to 1, multiples of 16) never makes a new variant
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_tb", "stride_th", "stride_ob", "stride_oh",
+                               "units", "width", "kmax", "kp"])
 def _top_k_pages(PAGES, TOKENS, K, OUT, SCRATCH,
                  stride_pb, stride_ph, stride_tb, stride_th, stride_ob, stride_oh,
                  units, width, lo, kmax, kp,

@@ -54,6 +54,10 @@ CASES = [
          id="hkv3-w513-p8-k100"),
     case("cpu", dict(hkv=2, width=20, kmax=5, block=16, n=(20, 3), k=(5, 5)), id="hkv2-w20-k5-two-pages"),
     case("cpu", dict(hkv=2, width=300, page=32, kmax=70, block=16, n=(300, 290), k=(70, 1)), id="hkv2-w300-p32-k70"),
+    case("cpu", dict(hkv=2, width=200, page=2, kmax=600, block=64, n=(200, 150), k=(600, 37)),
+         id="hkv2-w200-p2-k600-tile512"),
+    case("cpu", dict(hkv=2, width=96, page=4, kmax=64, block=16, n=(96, 0, 50), k=(0, 20, 64)),
+         id="hkv2-w96-p4-budget0-no-candidates"),
     case("cuda", {}, id="hkv8-w35000-k2048"),
     case("cuda", dict(width=131072, n=(131072, 130000, 70001, 4096, 2100), block=2048), id="hkv8-w131072-k2048"),
     case("cuda", dict(width=20000, kmax=8192, n=(20000, 9000, 8192, 100, 8191)), id="hkv8-w20000-k8192"),
@@ -80,3 +84,21 @@ def test_page_sizes_the_kernel_does_not_take_get_torchs_top_k():
             assert top_k_function(kind, page) is top_k_positions
     assert top_k_function("torch", 16) is top_k_positions
     assert top_k_function("auto", 0) is top_k_positions and top_k_function("triton", 1) is token_kernel
+
+
+def test_integers_that_follow_the_batch_are_not_specialised():
+    """Triton compiles a variant per specialisation of an integer argument (equal to 1, a multiple
+    of 16): the output's strides follow ``kmax`` (a budget of 2,048 or 2,040, a fraction of the
+    context), the frame follows the batch. Only ``lo`` (the sinks, fixed per engine) may be
+    specialised. Read from the compiled kernel's parameters, in a process without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sfi_vllm.kernels.top_k_pages as m; "
+            "print(' '.join(p.name for p in m._top_k_pages.params "
+            "if not p.is_constexpr and p.name.islower() and not p.do_not_specialize))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["lo"]
