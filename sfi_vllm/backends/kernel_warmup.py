@@ -11,20 +11,21 @@ Selector's statistics splits (``S_PAD``, the next power of two of
 compilations after start-up, 10 of them in its timed pass, each a pause of 0.5-1.5 s felt by every
 running request (``benchmarks/results/serve-bench-qwen-h200.md``).
 
-:func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the
-fast-step kernel and its merge at every eager split count, the slow-step score kernel, the
-Selector's kernels at every statistics pad with the engine's Selector settings, the page top-K at
-every tile of best pages up to the engine's budget, and both repack kernels. It reads the layer's real KV cache (block 0, through its own block table) and writes
-only buffers of its own. What else made variants is kept from varying: integer arguments that
-change with the batch (row strides, selection sizes, split counts) are ``do_not_specialize`` in
-the kernels, and the per-step host tables whose rows the kernels take as pointers are laid out
-with every row 16-byte aligned (:func:`sfi_vllm.host_copy.rows_to_device`).
+:func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the fast-step
+kernel and its merge at every eager split count, the slow-step score kernel, the Selector's kernels
+at every statistics pad with the engine's Selector settings, the page top-K at every tile of best
+pages up to the engine's budget, and both repack kernels. It reads the layer's real KV cache (block
+0, through its own block table) and writes only buffers of its own. What else made variants is kept
+from varying: integer arguments that change with the batch (row strides, selection sizes, split
+counts) are ``do_not_specialize`` in the kernels, and the per-step host tables whose rows the
+kernels take as pointers are laid out with every row 16-byte aligned
+(:func:`sfi_vllm.host_copy.rows_to_device`).
 
-Not covered: Selector settings that a request changes (its own ``selector`` fields are
-compile-time constants, and a budget above the engine's can need a wider page top-K tile; the first
-such request compiles them), other page sizes or dtypes than
-the first SFI layer's, and the uniform launch's split counts when it runs without FULL graphs
-(``--enforce-eager``, or a drafter pass in piecewise graphs): each new batch size compiles there.
+Not covered: Selector settings that a request changes (its own ``selector`` fields are compile-time
+constants, and a budget above the engine's can need a wider page top-K tile; the first such request
+compiles them), other page sizes or dtypes than the first SFI layer's, and the uniform launch's
+split counts when it runs without FULL graphs (``--enforce-eager``, or a drafter pass in piecewise
+graphs): each new batch size compiles there.
 """
 
 from __future__ import annotations
