@@ -9,6 +9,7 @@ directory and builds the wheel where the Dockerfile's ``pip install`` does.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -131,6 +132,26 @@ def test_wheel_build_has_no_setuptools_warning(image_wheel):
     _, log = image_wheel
     for marker in ("Warning:", "would be ignored", "!!"):
         assert marker not in log, f"setuptools warned ({marker!r}):\n{log[-4000:]}"
+
+
+def test_the_checkout_does_not_shadow_a_kernels_package(tmp_path):
+    """``kernels`` is also the import name of a PyPI package (Hugging Face's, which transformers
+    imports when installed). From the repository root (``python -m ...``, pytest) the checkout is
+    first on ``sys.path``; the top-level ``kernels/`` folder therefore has no ``__init__.py``, so
+    an installed ``kernels`` package wins over it, while ``sfi_vllm.kernels`` still resolves to it."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("ORIGIN = 'third-party'\n")
+    code = ("import importlib.util, kernels\n"
+            "print(getattr(kernels, 'ORIGIN', None))\n"
+            "print(importlib.util.find_spec('sfi_vllm.kernels.top_k_pages').origin)\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    origin, spec = out.stdout.strip().splitlines()[-2:]
+    assert origin == "third-party", "the checkout's kernels/ shadows an installed kernels package"
+    assert Path(spec).resolve() == (REPO / "kernels" / "top_k_pages.py").resolve()
 
 
 def test_readme_config_table_is_current():
