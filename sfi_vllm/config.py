@@ -657,9 +657,12 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    if given.get("selected_fraction") is not None and "selected_tokens" not in given:
+    # The budget the request gives itself replaces the other form, whether the engine or the
+    # request's preset supplied that one: only both in the request's own fields contradict.
+    own = set(request) - {"preset"}
+    if given.get("selected_fraction") is not None and "selected_tokens" not in own:
         merged["selected_tokens"] = None
-    if given.get("selected_tokens") is not None and "selected_fraction" not in given:
+    if given.get("selected_tokens") is not None and "selected_fraction" not in own:
         merged["selected_fraction"] = None
     if "preset" in request and request["preset"] not in PRESETS:
         merged["preset"] = request["preset"]  # validated (and refused, naming the field) below

@@ -99,9 +99,20 @@ def _allowed_keys_text() -> str:
 
 
 def _looks_sfi(key: Any) -> bool:
-    """An ``extra_args`` key meant for SFI: ``sfi`` or ``sfi_*`` in any letter case (a key in another
-    case than ours is refused by :func:`request_overrides`, not ignored)."""
-    return isinstance(key, str) and (key.lower() == REQUEST_KEY or key.lower().startswith(FLAT_PREFIX))
+    """An ``extra_args`` key meant for SFI: any key that starts with ``sfi`` in any letter case,
+    ``sfi.selected_tokens``, ``sfi-policy`` and ``sfipolicy`` included. Only ``sfi`` and the exact
+    ``sfi_*`` names are settings; :func:`request_overrides` refuses the others, with the name
+    meant where it can tell, rather than let a misspelt setting be ignored."""
+    return isinstance(key, str) and key.strip().lower().startswith(REQUEST_KEY)
+
+
+def _meant_key(key: str) -> str | None:
+    """The setting a misspelt SFI key most likely means (``SFI.Selected-Tokens`` ->
+    ``sfi_selected_tokens``), or None."""
+    flat = re.sub(r"[^a-z0-9]+", "_", key.strip().lower()).strip("_")
+    if flat == REQUEST_KEY:
+        return REQUEST_KEY
+    return flat if flat in flat_keys() else None
 
 
 def sfi_entries(extra_args: Any) -> dict[str, Any]:
@@ -179,10 +190,12 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
     for key, value in extra_args.items():
         if not _looks_sfi(key) or key == REQUEST_KEY:
             continue
-        if key != key.lower() and (key.lower() == REQUEST_KEY or key.lower() in keys):
-            raise SFIRequestError(f"{where}.{key}: SFI keys are lower-case; did you mean {key.lower()!r}?",
-                                  f"{where}.{key}")
         path = keys.get(key)
+        meant = None if path is not None else _meant_key(key)
+        if meant is not None:
+            raise SFIRequestError(f"{where}.{key}: not an SFI setting's name; did you mean {meant!r}? "
+                                  "(a request's flat SFI keys are lower-case, sfi_ then the field, with "
+                                  "underscores: sfi_selected_tokens, sfi_selector_alpha)", f"{where}.{key}")
         if path is None:
             raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "
                                   f"and {REQUEST_KEY} (a JSON object)", f"{where}.{key}")

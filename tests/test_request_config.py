@@ -98,6 +98,12 @@ def test_the_three_forms_give_the_same_config():
     ({"SFI_POLICY": "dense"}, "vllm_xargs.SFI_POLICY", "did you mean 'sfi_policy'"),
     ({"Sfi": '{"sinks": 2}'}, "vllm_xargs.Sfi", "did you mean 'sfi'"),
     ({"SFI_SINKZ": 2}, "vllm_xargs.SFI_SINKZ", "unknown SFI setting"),
+    # the dotted form the docs use for fields, other separators, and keys that start with sfi but
+    # name nothing: refused, not ignored (the request would otherwise run with the engine's settings)
+    ({"sfi.selected_tokens": 512}, "vllm_xargs.sfi.selected_tokens", "did you mean 'sfi_selected_tokens'"),
+    ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
+    ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
+    ({"sfipolicy": "dense"}, "vllm_xargs.sfipolicy", "unknown SFI setting"),
     # over HTTP a JSON false reaches extra_args as 0: the message shows the value as the field reads it
     ({"sfi_side_stream": 0}, "vllm_xargs.sfi_side_stream", "request: False"),
 ])
@@ -216,6 +222,14 @@ def test_a_request_merges_over_the_engine_as_resolved_not_over_its_preset_again(
     assert (k.selected_tokens, k.selected_fraction) == (512, None)
     back = merge_policy(build_config({}, use_env=False), {"selected_fraction": 0.1})
     assert (back.selected_tokens, back.selected_fraction) == (None, 0.1)
+    # fields beside a preset override it, the budget's form included: the speed preset's fixed K
+    # gives way to the request's own fraction (and a fraction-engine's to the preset's K)
+    mixed = merge_policy(build_config({}, use_env=False), {"preset": "speed", "selected_fraction": 0.2})
+    assert (mixed.selected_tokens, mixed.selected_fraction, mixed.reuse_budget) == (None, 0.2, 20)
+    fixed = merge_policy(frac, {"preset": "speed"})
+    assert (fixed.selected_tokens, fixed.selected_fraction) == (2048, None)
+    with pytest.raises(SFIConfigError, match="not both"):
+        merge_policy(build_config({}, use_env=False), {"selected_tokens": 512, "selected_fraction": 0.2})
 
 
 def test_the_engine_wide_fields_are_declared_on_the_model_and_refused_per_request():
