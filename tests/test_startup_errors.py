@@ -82,3 +82,28 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     assert "holds no sequence's compact set" in msg and "\n" not in msg
     # a budget that holds one set passes the check (SmolLM2 at 1024 tokens: well under 0.1 GiB per set)
     EngineArgs(**args, additional_config={"sfi": {"compact_memory_gib": 0.1}}).create_engine_config()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["demo", "--prompts", "0"], "--prompts: must be at least 1, got 0"),
+    (["batch", "in.jsonl", "out.jsonl", "--max-open", "-1"], "--max-open: must be at least 1, got -1"),
+    (["eval", "--samples", "two"], "--samples: not an integer: 'two'"),
+    (["eval", "--time-limit", "0"], "--time-limit: must be a positive number"),
+    (["eval", "--first-sample", "-3"], "--first-sample: must be 0 or more"),
+])
+def test_cli_refuses_counts_that_leave_nothing_to_run(argv, needle, capsys):
+    """A count of 0 or below once made `demo` and `batch` wait for ever after the engine loaded
+    (nothing was ever handed to it); argparse now refuses it before anything loads."""
+    from sfi_vllm.tools.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_run_requests_refuses_a_max_open_below_one():
+    from sfi_vllm.tools.batch import run_requests
+
+    with pytest.raises(ValueError, match="max_open must be at least 1"):
+        run_requests(object(), iter([]), lambda rec: None, max_open=0)

@@ -169,6 +169,8 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
 
     from sfi_vllm.controller import current_controller, external_request_id
 
+    if max_open < 1:
+        raise ValueError(f"max_open must be at least 1, got {max_open}")
     engine = llm.llm_engine
     ctl = current_controller()
     # enqueue returns the engine's internal request ids; outputs carry the external ones

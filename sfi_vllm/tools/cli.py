@@ -26,6 +26,38 @@ def _json_arg(text: str | None, flag: str) -> dict:
     return value
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count: an integer of at least 1 (0 or a negative count would leave a
+    run with nothing to hand the engine, waiting for ever)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 class UsageError(ValueError):
     """A bad command-line value: printed as one line, exit status 2."""
 
@@ -207,7 +239,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="vLLM dtype; auto (default): float32 on CPU (faster there without bf16 units), "
                         "bfloat16 on CUDA")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs (default 8)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8, help="vLLM's max_num_seqs (default 8)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA: vLLM's gpu_memory_utilization (default: vLLM's)")
 
@@ -222,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_cmd_prepare)
 
     demo = sub.add_parser("demo", help="SFI vs dense attention on the embedded model, side by side")
-    demo.add_argument("--prompts", type=int, default=4)
-    demo.add_argument("--prompt-tokens", type=int, default=1200)
-    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--prompts", type=_positive_int, default=4)
+    demo.add_argument("--prompt-tokens", type=_positive_int, default=1200)
+    demo.add_argument("--max-tokens", type=_positive_int, default=96)
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
     demo.add_argument("--sfi-replace", action="store_true",
@@ -243,42 +275,42 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
     ev.add_argument("--contexts", default="2048", help="context sizes in tokens, comma-separated")
     ev.add_argument("--tasks", default=None, help="default: all tasks")
-    ev.add_argument("--samples", type=int, default=2, help="samples per task and context")
+    ev.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="quality.jsonl")
     ev.add_argument("--raw", default=None, help="also write every request's output here")
     ev.add_argument("--report", default=None, help="prefix for the markdown table and plot")
     ev.add_argument("--title", default="sfi-vllm quality suite")
     _engine_args(ev)
-    ev.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: vLLM's KV cache size")
+    ev.add_argument("--kv-cache-gib", type=_positive_int, default=4, help="CPU only: vLLM's KV cache size")
     ev.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument("--suite", default=None, metavar="FILE[,FILE...]",
                     help="samples from `sfi-vllm suite` files instead of generating them "
                          "(those of --tasks and --contexts with index < --samples)")
-    ev.add_argument("--chunk-samples", type=int, default=None,
+    ev.add_argument("--chunk-samples", type=_positive_int, default=None,
                     help="run the samples in chunks of this many (each: dense, then the other policies); "
                          "finished chunks are streamed to --stream")
-    ev.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    ev.add_argument("--time-limit", type=_positive_float, default=None, metavar="SECONDS",
                     help="with --chunk-samples: start no chunk that would end past this much generation "
                          "time; only fully run samples are scored")
     ev.add_argument("--stream", default=None, help="file for the finished phases (default: a temporary file)")
     ev.add_argument("--ablations", default=None,
                     help="policies (comma-separated) run only on samples of index < --ablation-samples")
-    ev.add_argument("--ablation-samples", type=int, default=None)
+    ev.add_argument("--ablation-samples", type=_positive_int, default=None)
     ev.add_argument("--flow", action="store_true",
                     help="no phases: each sample's other requests start when its dense request ends, at most "
                          "--max-open samples open; --time-limit opens no sample projected to end past it and "
                          "aborts what runs at it (--chunk-samples is ignored)")
-    ev.add_argument("--max-open", type=int, default=None, help="with --flow (default: --max-num-seqs / 2)")
-    ev.add_argument("--first-sample", type=int, default=0,
+    ev.add_argument("--max-open", type=_positive_int, default=None, help="with --flow (default: --max-num-seqs / 2)")
+    ev.add_argument("--first-sample", type=_non_negative_int, default=0,
                     help="skip samples of lower index (extend an earlier run; merge with `sfi-vllm rescore`)")
     ev.set_defaults(func=_cmd_eval)
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
     su.add_argument("--contexts", default="2048")
     su.add_argument("--tasks", default=None, help="default: all tasks")
-    su.add_argument("--samples", type=int, default=2, help="samples per task and context")
+    su.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--model", default=None, help="a prepared model directory (its tokenizer sizes the prompts)")
     su.add_argument("--out", required=True, help="JSON lines; .xz: compressed")
@@ -290,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="dense is always included")
     fid.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
     fid.add_argument("--contexts", default="2048", help="context sizes in tokens (prompt + continuation)")
-    fid.add_argument("--docs", type=int, default=3, help="documents per context")
-    fid.add_argument("--tokens", type=int, default=128, help="T: teacher-forced decode steps per document")
+    fid.add_argument("--docs", type=_positive_int, default=3, help="documents per context")
+    fid.add_argument("--tokens", type=_positive_int, default=128, help="T: teacher-forced decode steps per document")
     fid.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each document")
     fid.add_argument("--seed", type=int, default=0, help="chooses the documents")
     fid.add_argument("--no-free-running", action="store_true", help="skip the free-running divergence runs")
@@ -334,9 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("output", metavar="OUT.jsonl", help="appended to; ids already in it are skipped (resume)")
     ba.add_argument("--attention-backend", default="sfi", help="sfi (default), or dense: vLLM's own backend")
     ba.add_argument("--sfi", default=None, help="JSON: the engine's SFI settings, as in --additional-config's 'sfi'")
-    ba.add_argument("--max-tokens", type=int, default=256, help="for lines whose sampling gives none (default 256)")
-    ba.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
-    ba.add_argument("--max-open", type=int, default=None,
+    ba.add_argument("--max-tokens", type=_positive_int, default=256, help="for lines whose sampling gives none (default 256)")
+    ba.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len (default: the model's)")
+    ba.add_argument("--max-open", type=_positive_int, default=None,
                     help="requests in the engine at a time (default: 2 x --max-num-seqs)")
     ba.add_argument("--retry-errors", action="store_true", help="run the ids whose output line is an error again")
     ba.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
