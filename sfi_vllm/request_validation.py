@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sfi_vllm.request_config import EngineLimits, SFIRequestError, resolve_request_config
+from sfi_vllm.request_config import EngineLimits, SFIRequestError, resolve_request_config, sfi_entries
 
 _LIMITS: EngineLimits | None = None
 
@@ -57,3 +57,20 @@ def validate_request_params(params: Any) -> None:
         resolve_request_config(limits, extra_args, where=where)
     except SFIRequestError as e:
         raise _validation_error(e) from None
+
+
+def validate_beam_search_request(vllm_xargs: Any) -> None:
+    """Raise ``VLLMValidationError`` for a beam-search request (``use_beam_search``) that carries SFI
+    settings in ``vllm_xargs``, where this process serves an SFI engine. vLLM's beam search runs
+    every step as a request of its own built from ``BeamSearchParams``, which has no
+    ``extra_args``: the settings would be dropped without a word (and each of those one-token
+    requests is a prefill, which SFI attends densely, so none would apply anyway)."""
+    if _LIMITS is None:
+        return
+    given = sfi_entries(vllm_xargs)
+    if given:
+        key = next(iter(given))
+        raise _validation_error(SFIRequestError(
+            f"vllm_xargs.{key}: SFI settings do not apply to beam search (use_beam_search): vLLM runs each "
+            "beam step as a new one-token request without vllm_xargs, and SFI attends those densely; "
+            "send the request without SFI settings, or without use_beam_search", f"vllm_xargs.{key}"))

@@ -153,6 +153,7 @@ BAD_REQUESTS = [
     ({"sfi_min_gap": 100}, "vllm_xargs.sfi_min_gap", "must be <= reuse_budget"),
     ({"sfi_preset": "fast"}, "vllm_xargs.sfi_preset", "balanced, speed, paper"),
     ({"sfi": '{"sinks": 2}', "sfi_sinks": 2}, "vllm_xargs.sfi_sinks", "given twice"),
+    ({"sfi.selected_tokens": 16}, "vllm_xargs.sfi.selected_tokens", "did you mean 'sfi_selected_tokens'"),
 ]
 
 
@@ -207,6 +208,17 @@ def test_bad_sfi_settings_get_a_400_naming_the_field_while_others_run(server):
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     first = json.loads(events[0][len("data: "):])
     assert first["error"]["code"] == 400 and first["error"]["param"] == "vllm_xargs.sfi", first
+    # beam search runs its steps without vllm_xargs: SFI settings with it are refused, not dropped
+    for route, body in (("completions", {"prompt": "Every evening the keeper"}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+        beam = {"model": server.model, "max_tokens": 3, "use_beam_search": True, "n": 2, **body}
+        r = httpx.post(f"{server.url}/v1/{route}", timeout=120,
+                       json={**beam, "vllm_xargs": {"sfi_selected_tokens": 16}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.sfi_selected_tokens", r.text
+        assert "beam search" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "model": server.model, "max_tokens": 3, "use_beam_search": True, "n": 2, "prompt": "Every evening the keeper"})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text  # beam search itself runs
     stream.join(120)
     assert result.get("finish") in ("length", "stop") and result["chunks"] > 1, result
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200

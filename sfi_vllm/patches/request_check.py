@@ -19,6 +19,14 @@ Why not vLLM's other request hook, a V1 logits processor whose classmethod ``val
   per-step device sync that ``boundary_read: lagged`` exists to avoid.
 This wrapper costs one function call per request in the front end and nothing in the worker. It
 wraps a classmethod of the current platform's class, as :mod:`sfi_vllm.patches.config_check` does.
+
+Beam search never reaches that hook with the client's settings: the OpenAI server turns a request
+with ``use_beam_search`` into ``BeamSearchParams`` (``to_beam_search_params`` of
+``CompletionRequest`` and ``ChatCompletionRequest``, ``entrypoints/openai/*/protocol.py``), which
+carries no ``vllm_xargs``, and runs each beam step as a new request without them. The second
+wrapper refuses such a request when it carries SFI settings
+(:func:`sfi_vllm.request_validation.validate_beam_search_request`) instead of letting them be
+dropped; beam search without SFI settings runs as vLLM runs it.
 """
 
 from __future__ import annotations
@@ -42,4 +50,33 @@ def install() -> None:
         return original(cls, processed_inputs, params)
 
     platform_cls.validate_request = classmethod(validate_request)
+    _wrap_beam_search_params()
     _INSTALLED = True
+
+
+def _beam_search_request_classes() -> list[type]:
+    """The OpenAI server's request classes, where this process has imported them: the server's
+    module imports them before vLLM loads plugins, and a process without the server (an offline
+    ``LLM``, the engine's workers) has no ``vllm_xargs`` to check and pays no import."""
+    import sys
+
+    found = []
+    for module, name in (("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+                         ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and hasattr(cls, "to_beam_search_params"):
+            found.append(cls)
+    return found
+
+
+def _wrap_beam_search_params() -> None:
+    from sfi_vllm.request_validation import validate_beam_search_request
+
+    for cls in _beam_search_request_classes():
+        original = cls.to_beam_search_params
+
+        def to_beam_search_params(self, *args, _original=original, **kwargs):
+            validate_beam_search_request(getattr(self, "vllm_xargs", None))
+            return _original(self, *args, **kwargs)
+
+        cls.to_beam_search_params = to_beam_search_params
