@@ -229,7 +229,7 @@ class Policy(_SettingsModel):
         description="grow: the window starts where it did at the last slow step and takes in new "
         "tokens; slide: it is the last recent_window tokens at every step",
     )
-    quest_page: int = Field(16, ge=1, le=4096, description="page size of the quest policy")
+    quest_page: int = Field(16, ge=1, le=4096, description="page size of the quest policy; at most K (K is taken in whole pages)")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -319,6 +319,14 @@ class Policy(_SettingsModel):
             raise ValueError(
                 f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
             )
+        if self.policy == "quest":
+            # K holds whole pages: a page larger than the largest K would leave the policy with
+            # nothing to select (sinks and window alone) at every context
+            most = (("selected_tokens", self.selected_tokens) if self.selected_tokens is not None
+                    else ("selected_cap", self.selected_cap))
+            if self.quest_page > most[1]:
+                raise ValueError(f"quest_page ({self.quest_page}) must be <= {most[0]} ({most[1]}) under "
+                                 "policy quest: K is taken in whole pages, and no page of that size fits")
         return self
 
     @property

@@ -230,16 +230,14 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
 
 def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: str) -> str:
     """The request field an error names: its location, or for an error of several fields together
-    (no location of its own) the first of the request's fields that its message names, else
-    ``where``."""
+    (no location of its own) the request's field that its message names first, else ``where``."""
     at = [names[loc] for loc in getattr(error, "locs", ()) if loc in names]
     if at:
         return at[0]
     message = str(error)
-    for path, name in names.items():
-        if re.search(rf"\b{re.escape(path[-1])}\b", message):
-            return name
-    return where
+    found = [(m.start(), name) for path, name in names.items()
+             if (m := re.search(rf"\b{re.escape(path[-1])}\b", message))]
+    return min(found)[1] if found else where
 
 
 def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engine: SFIConfig,

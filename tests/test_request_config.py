@@ -104,6 +104,9 @@ def test_the_three_forms_give_the_same_config():
     ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
     ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
     ({"sfipolicy": "dense"}, "vllm_xargs.sfipolicy", "unknown SFI setting"),
+    # Quest takes K in whole pages: a page larger than K would select nothing at every context
+    ({"sfi_policy": "quest", "sfi_quest_page": 64, "sfi_selected_tokens": 32}, "vllm_xargs.sfi_quest_page",
+     "quest_page (64) must be <= selected_tokens (32)"),
     # over HTTP a JSON false reaches extra_args as 0: the message shows the value as the field reads it
     ({"sfi_side_stream": 0}, "vllm_xargs.sfi_side_stream", "request: False"),
 ])
