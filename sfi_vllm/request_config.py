@@ -217,10 +217,13 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
             budget = [n for p, n in names.items() if p[0] in ("selected_tokens", "selected_fraction",
                                                                "selected_cap", "sinks", "policy")]
             name = budget[0] if budget else REQUEST_KEY
+            fix = ("Ask for fewer, or raise the engine's sfi.selected_tokens (or selected_cap)"
+                   if engine.policy != "streaming" else
+                   "The engine runs policy streaming, which selects nothing, so its buffers hold its sinks "
+                   "only: a request can select tokens on an engine started with another policy")
             raise SFIRequestError(f"{name}: the request's sinks + K reach {need} tokens at max_model_len "
                                   f"{limits.max_model_len}, more than the engine's compact buffers hold "
-                                  f"({have}: its own sinks + K); allowed: sinks + K <= {have}. Ask for fewer, "
-                                  "or raise the engine's sfi.selected_tokens (or selected_cap)", name)
+                                  f"({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}", name)
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary:
         name = names.get(("boundary_trigger",)) or names.get(("policy",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "

@@ -59,6 +59,13 @@ def test_the_three_forms_give_the_same_config():
     assert resolve_request_config(lim, None) is lim.cfg
 
 
+def test_a_streaming_engine_says_why_a_request_cannot_select():
+    lim = limits({**ENGINE, "policy": "streaming"})
+    with pytest.raises(SFIRequestError, match="runs policy streaming, which selects nothing") as info:
+        resolve_request_config(lim, {"sfi_policy": "sfi"})
+    assert info.value.param == "vllm_xargs.sfi_policy" and "raise the engine's" not in str(info.value)
+
+
 @pytest.mark.parametrize("extra, param, needle", [
     ({"sfi": "dense"}, "vllm_xargs.sfi", "not valid JSON"),
     ({"sfi": ["dense"]}, "vllm_xargs.sfi", "got list"),
