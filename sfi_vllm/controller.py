@@ -304,17 +304,22 @@ class SFIController:
                     f"sfi-vllm: more than max_num_seqs={self.num_slots} requests in flight"
                 )
             cfg = self._config_for_request(req_id, extra_args)
+            # a request that found the pool full runs densely until it ends, also when a preemption
+            # has released its slot and a compact set is free at its return (its attention would
+            # otherwise change policy mid-answer, and its statistics hold the fallback)
+            fell_back = self.stats.get(req_id).fallback == "compact_pool_full"
             if cfg.policy == "dense":  # needs no compact set: keep the pool's slots for others
                 slot = (self.free_plain or self.free_compact).pop()
-            elif self.free_compact:
+            elif self.free_compact and not fell_back:
                 slot = self.free_compact.pop()
             else:
-                self.pool_full_requests += 1
-                n = self.pool_full_requests
-                log = logger.warning if n == 1 or n % 1000 == 0 else logger.debug  # not one line per request
-                log("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); it runs "
-                    "with dense attention (%d requests so far; sfi_request_fallbacks_total counts them)",
-                    req_id, self.compact_slots, n)
+                if not fell_back:
+                    self.pool_full_requests += 1
+                    n = self.pool_full_requests
+                    log = logger.warning if n == 1 or n % 1000 == 0 else logger.debug  # not one line per request
+                    log("sfi-vllm: request %s: all %d compact sets are taken (sfi.compact_memory_gib); it runs "
+                        "with dense attention (%d requests so far; sfi_request_fallbacks_total counts them)",
+                        req_id, self.compact_slots, n)
                 self.stats.note_fallback(req_id, "compact_pool_full")
                 cfg = self.cfg.model_copy(update={"policy": "dense"})
                 slot = self.free_plain.pop()

@@ -94,6 +94,15 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     assert p.modes[1] == StepMode.DENSE and p.modes[2] == StepMode.SLOW  # c stays dense until it ends
     assert ctl.slot_of["e"] < 2 and metric._value.get() == before + 1
 
+    class Preempted:
+        finished_req_ids, preempted_req_ids = {"b"}, {"c"}
+
+    ctl.on_scheduler_output(Preempted())  # b's set is free, c gave its slot back: at its return c stays dense
+    assert "c" not in ctl.slot_of and ctl.free_compact
+    p = step(["c"])
+    assert p.modes == [StepMode.DENSE] and ctl.slot_of["c"] >= 2 and ctl.free_compact
+    assert ctl.stats.get("c").fallback == "compact_pool_full" and metric._value.get() == before + 1
+
 
 def test_the_shared_fake_engine_config_sizes_a_pool():
     """The GPU kernel tests build their controllers from ``fake_vllm_config``; on CUDA the controller
