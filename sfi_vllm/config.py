@@ -215,7 +215,8 @@ class Policy(_SettingsModel):
         "sfi",
         description="sfi; or a baseline in the same backend: dense, streaming (sinks + sliding "
         "window), snapkv (select once at the first decode step, never refresh), quest (per-step "
-        "page selection from per-page key min/max)",
+        "page selection from per-page key min/max; on the GPU a step with a quest row runs eagerly, "
+        "outside the full CUDA graph, for the whole batch)",
     )
 
     # Working set of a fast step.
@@ -251,7 +252,7 @@ class Policy(_SettingsModel):
         description="the first decode steps after a prefill that attend densely before the first "
         "selection (the bridge): a request's first tokens often restate the question before the "
         "answer, and a set chosen from the first decode query misses what the answer reads; 0: select "
-        "at the first decode step (the paper's)",
+        "at the first decode step (the paper's). Policy sfi only: snapkv selects at the first decode step",
     )
     reuse_stagger: bool = Field(
         False,
