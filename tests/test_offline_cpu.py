@@ -49,6 +49,15 @@ def test_parse_native_and_openai_batch_lines():
     ('{"id": "x"}', "x", "exactly one of prompt and messages"),
     ('{"id": "x", "prompt": "a", "temperature": 0}', "x", "temperature: Extra inputs are not permitted"),
     ('{"custom_id": "y", "body": {"prompt": "a", "stream": true}}', "y", "streaming"),
+    # one completion per line: the output keeps one, so n > 1 is refused, not cut to the first
+    ('{"id": "x", "prompt": "a", "sampling": {"n": 3}}', "x", "sampling.n > 1 is not supported"),
+    # SFI settings given in two places would be merged or one dropped: refused
+    ('{"custom_id": "y", "body": {"prompt": "a", "sfi": {"sinks": 2}, "vllm_xargs": {"sfi_selected_tokens": 16}}}',
+     "y", "given twice (body.sfi and body.vllm_xargs)"),
+    ('{"id": "x", "prompt": "a", "sfi": {"sinks": 2}, "sampling": {"extra_args": {"sfi": {"sinks": 4}}}}',
+     "x", "given twice (sfi and sampling.extra_args.sfi)"),
+    # a misspelt SFI key in vllm_xargs is an error of the line, not passed on to extra_args
+    ('{"custom_id": "y", "body": {"prompt": "a", "vllm_xargs": {"sfi.sinks": 2}}}', "y", "did you mean 'sfi_sinks'"),
 ])
 def test_parse_errors_name_the_line(text, rid, msg):
     with pytest.raises(LineError) as e:

@@ -9,7 +9,8 @@ Every input line is one request, in either form:
   ``{"policy": "dense"}``);
 * a line of vLLM's ``run-batch`` / OpenAI batch file: ``{"custom_id": "a", "url":
   "/v1/chat/completions", "body": {"messages": [...], "max_tokens": 64, ...}}``; the body's
-  sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs.sfi``) as the SFI settings.
+  sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs``: ``sfi`` or flat ``sfi_*``
+  keys, not both places) as the SFI settings. ``n`` above 1 is refused (one completion per line).
 
 Each finished request is appended to the output as one JSON line as soon as it finishes:
 ``{"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "sfi_stats"}``. A line that
@@ -56,6 +57,11 @@ class BatchLine(BaseModel):
     def _one_input(self) -> "BatchLine":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.sampling.get("n", 1) != 1:
+            raise ValueError("sampling.n > 1 is not supported in a batch (one completion per line)")
+        extra = self.sampling.get("extra_args")
+        if self.sfi is not None and isinstance(extra, dict) and "sfi" in extra:
+            raise ValueError("the SFI settings are given twice (sfi and sampling.extra_args.sfi): give them once")
         return self
 
 
@@ -78,13 +84,15 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     sfi = body.pop("sfi", None)
     # SFI settings in vllm_xargs as the OpenAI API carries them: flat sfi_* keys or one JSON string
     # "sfi" (sfi_vllm.request_config); the other vllm_xargs entries go to SamplingParams.extra_args
-    ours = {k: v for k, v in xargs.items() if isinstance(k, str) and (k == "sfi" or k.startswith("sfi_"))}
-    if ours:
-        from sfi_vllm.request_config import request_overrides
+    from sfi_vllm.request_config import request_overrides, sfi_entries
 
+    ours = sfi_entries(xargs)
+    if ours:
+        if sfi is not None:
+            raise ValueError("the SFI settings are given twice (body.sfi and body.vllm_xargs): give them once")
         parsed = request_overrides(ours, where="body.vllm_xargs")
         if parsed is not None:
-            sfi = {**(sfi or {}), **parsed[0]}
+            sfi = parsed[0]
     rest = {k: v for k, v in xargs.items() if k not in ours}
     if rest:
         body["extra_args"] = {**(body.get("extra_args") or {}), **rest}
