@@ -26,36 +26,27 @@ def _json_arg(text: str | None, flag: str) -> dict:
     return value
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: an integer of at least 1 (0 or a negative count would leave a
-    run with nothing to hand the engine, waiting for ever)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(convert: type, ok, rule: str):
+    """An argparse type: ``convert`` the text, then refuse a value for which ``ok`` is false, saying
+    ``rule``. Counts are at least 1: a count of 0 or below left ``demo`` and ``batch`` with nothing
+    to hand the engine, waiting for ever."""
+    noun = "an integer" if convert is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+_positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1")
+_non_negative_int = _bounded(int, lambda v: v >= 0, "must be 0 or more")
+_positive_float = _bounded(float, lambda v: 0 < v < float("inf"), "must be a positive number")
 
 
 class UsageError(ValueError):
