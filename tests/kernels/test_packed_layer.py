@@ -15,8 +15,17 @@ from builders import GPU_DTYPES, GPU_SHAPES, assert_same_sets, case, device_batc
 from sfi_vllm.paged_kv import PagedKV
 
 
+def with_top_k(over: dict, top_k: str) -> dict:
+    """``over`` with ``experimental.selector_top_k``. The CPU cases take torch's top-K (the
+    reference): the page kernel's interpreter run costs seconds per Selector call, and it has
+    its own interpreter cases (test_top_k_pages.py) and one through the layer here
+    (``fused-triton_top_k``); the GPU cases run the engine's default."""
+    return {**over, "experimental": {**over.get("experimental", {}), "selector_top_k": top_k}}
+
+
 def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi", refresh="per_layer"):
+                       seq_lens=(3000, 900, 5000, 1400), retention=0.15, policy="sfi", refresh="per_layer",
+                       top_k="auto"):
     """The GPU layer path (score kernel + batched Selector + one repack; fast rows through the
     step's tables; the uniform all-rows launch with a dense row and a padding row) against the
     reference layer (per-row torch selector, gathered keys, reference attention)."""
@@ -31,8 +40,8 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
-    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
-            **policy_overrides(policy, retention, max(seq_lens))}
+    over = with_top_k({"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+                       **policy_overrides(policy, retention, max(seq_lens))}, top_k)
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     cfg = ctl.cfg
     packed = PackedCompactBuffer(8, hkv, cfg.compact_capacity(8192), d, dtype, device, double_buffer=True)
@@ -97,7 +106,8 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 
 def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                       seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None):
+                       seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None,
+                       top_k="auto"):
     """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
     when the step ends, replayed from a CUDA graph) against ``"per_layer"``, layer by layer: each
     layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
@@ -110,7 +120,8 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from test_sfi_layer import plan_for
 
     n = len(seq_lens)
-    base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))}
+    base = with_top_k({"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens))},
+                      top_k)
     ctls, stacks = refresh_stacks([{**base, "slow_refresh": m} for m in ("per_layer", "per_step")],
                                   hq, hkv, d, dtype, device, layers)
     ctls[1].executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
@@ -166,7 +177,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     # fused: room for the step's frames (one group: every row gets the largest context rounded up
     # to 2048) and no more
     tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
-    (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
+    (ref_ctl, ctl), stacks = refresh_stacks([with_top_k({**base, "slow_refresh": "per_layer"}, "torch"),
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens,
                                               "experimental": {"selector_top_k": top_k, "keys_only_scores":
@@ -250,7 +261,7 @@ GPU = [(dtype, dict(hq=hq, hkv=hkv, d=d)) for dtype in GPU_DTYPES for hq, hkv, d
 
 
 @pytest.mark.parametrize("device,dtype,kw", [
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400), top_k="torch"),
          id="sfi-per_layer-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, policy=policy), id=f"{policy}-per_layer-" + shape_id(dtype, **shape),
            selection=policy == "sfi" and dtype == torch.bfloat16)
@@ -264,7 +275,7 @@ def test_packed_layer(device, dtype, kw):
 
 
 @pytest.mark.parametrize("device,dtype,kw", [
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, top_k="torch"),
          id="layers2-steps2-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, shape, id="layers3-steps4-" + shape_id(dtype, **shape), selection=dtype == torch.bfloat16)
       for dtype, shape in GPU),
@@ -301,7 +312,7 @@ def test_graph_slow(device, dtype, kw):
 
 def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 5000, 1400), query_lens=(3, 1, 5, 2), padding=(1, 0, 2, 0),
-                       retention=0.15, refresh="per_layer", sliding=False):
+                       retention=0.15, refresh="per_layer", sliding=False, top_k="auto"):
     """A drafter's first pass (``sfi.mode lossless``) on the GPU layer path against the reference
     layer. Each row holds several verified tokens, then ``padding`` tokens of rejected drafts. By
     default the pass re-selects every row from its last real token: the rows attend densely
@@ -322,8 +333,8 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
-    over = {"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
-            **policy_overrides("sfi", retention, max(seq_lens))}
+    over = with_top_k({"boundary_token_ids": [7], "min_gap": 0, "slow_refresh": refresh,
+                       **policy_overrides("sfi", retention, max(seq_lens))}, top_k)
     if sliding:
         over["window_mode"] = "slide"
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
@@ -390,9 +401,10 @@ def check_drafter_pass(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 
 @pytest.mark.parametrize("device,dtype,kw", [
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400), top_k="torch"),
          id="per_layer-" + shape_id(torch.float32, **CPU_SHAPE)),
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400), refresh="per_step", sliding=True),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(600, 300, 900, 400), refresh="per_step", sliding=True,
+                                    top_k="torch"),
          id="per_step-sliding-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, refresh=refresh), id=f"{refresh}-" + shape_id(dtype, **shape))
       for dtype, shape in GPU for refresh in ("per_layer", "per_step")),
@@ -404,7 +416,8 @@ def test_drafter_pass(device, dtype, kw):
 
 
 def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
-                                     seq_lens=(3000, 900, 5000, 1400), layers=2, retention=0.15, keys=True):
+                                     seq_lens=(3000, 900, 5000, 1400), layers=2, retention=0.15, keys=True,
+                                     top_k="auto"):
     """``sfi.mode lossless`` with one token per row in the drafter's first pass (``drafter_kv:
     shared``): the pass that re-selects is a uniform launch, which the drafter's CUDA graph can
     hold. :func:`~sfi_vllm.lossless.plan_draft` puts its slow rows inside the launch, the metadata
@@ -432,8 +445,8 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens)),
             "slow_attention": "keys" if keys else "dense"}
     tokens = n * -(-max(seq_lens) // 2048) * 2048
-    (ref_ctl, ctl), stacks = refresh_stacks([{**base, "slow_refresh": "per_layer"},
-                                             {**base, "mode": "lossless", "slow_refresh": "per_step",
+    (ref_ctl, ctl), stacks = refresh_stacks([with_top_k({**base, "slow_refresh": "per_layer"}, "torch"),
+                                             {**with_top_k(base, top_k), "mode": "lossless", "slow_refresh": "per_step",
                                               "slow_in_graph": True, "fused_scores_tokens": tokens}],
                                             hq, hkv, d, dtype, device, layers)
     ctl.executor.graph_slow_ready = True  # as the CUDA impl sets them up
@@ -540,7 +553,8 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
 @pytest.mark.parametrize("device,dtype,kw", [
     # on the CPU the keys case only: its first cycle is a dense first selection (the dense
     # re-selection inside the launch is check_graph_slow's)
-    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS), id="keys-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, top_k="torch"),
+         id="keys-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, keys=keys), id=f"{'keys' if keys else 'dense'}-" + shape_id(dtype, **shape))
       for dtype, shape in GPU[:2] for keys in (True, False)),
 ])
