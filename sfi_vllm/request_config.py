@@ -215,7 +215,7 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
         have = engine.compact_capacity(limits.max_model_len)
         if cfg.policy != "dense" and need > have:
             budget = [n for p, n in names.items() if p[0] in ("selected_tokens", "selected_fraction",
-                                                               "selected_cap", "sinks", "policy")]
+                                                               "selected_cap", "sinks", "policy", "preset")]
             name = budget[0] if budget else REQUEST_KEY
             fix = ("Ask for fewer, or raise the engine's sfi.selected_tokens (or selected_cap)"
                    if engine.policy != "streaming" else
@@ -225,7 +225,7 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                                   f"{limits.max_model_len}, more than the engine's compact buffers hold "
                                   f"({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}", name)
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary:
-        name = names.get(("boundary_trigger",)) or names.get(("policy",)) or REQUEST_KEY
+        name = names.get(("boundary_trigger",)) or names.get(("policy",)) or names.get(("preset",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "
                               "has none (it started with sfi.boundary_trigger false and no boundary_token_ids); "
                               "allowed: boundary_trigger false", name)

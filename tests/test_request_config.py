@@ -111,6 +111,8 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
     ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
     ({"sfipolicy": "dense"}, "vllm_xargs.sfipolicy", "unknown SFI setting"),
+    # a value the request's preset set: the error names the preset, the field the client sent
+    ({"sfi_preset": "speed"}, "vllm_xargs.sfi_preset", "sinks + K <= 68"),
     # Quest takes K in whole pages: a page larger than K would select nothing at every context
     ({"sfi_policy": "quest", "sfi_quest_page": 64, "sfi_selected_tokens": 32}, "vllm_xargs.sfi_quest_page",
      "quest_page (64) must be <= selected_tokens (32)"),
