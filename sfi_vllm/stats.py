@@ -124,7 +124,16 @@ class StatsRegistry:
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self.stats_file = stats_file
+        self._write_failed = False
         if stats_file:
+            try:  # at start-up, not at the first finished request: a bad path stops the engine here
+                with open(stats_file, "a"):
+                    pass
+            except OSError as e:
+                from sfi_vllm.config import SFIConfigError
+
+                raise SFIConfigError(f"sfi.stats_file: cannot append to {stats_file!r} ({e.strerror or e}); "
+                                     "give a writable file in an existing directory") from None
             atexit.register(self._write_open_at_exit)
 
     def get(self, req_id: str) -> RequestStats:
@@ -233,8 +242,21 @@ class StatsRegistry:
                 self.finished.popitem(last=False)
         logger.debug("sfi request %s: %s", req_id, st.to_dict())
         if self.stats_file:
+            self._append([{**st.to_dict(), "retired": True}])
+
+    def _append(self, records: list[dict]) -> None:
+        """Append records to the stats file. A write that fails while serving (the disk full, the
+        file's directory removed) is logged, once, and the engine goes on: the statistics are a
+        by-product, and an exception here would stop every running request."""
+        try:
             with open(self.stats_file, "a") as f:
-                f.write(json.dumps({**st.to_dict(), "retired": True}) + "\n")
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+            self._write_failed = False
+        except OSError as e:
+            if not self._write_failed:
+                logger.error("sfi-vllm: could not append request statistics to %s (%s); requests go on, "
+                             "their lines are lost until a write succeeds", self.stats_file, e)
+            self._write_failed = True
 
     def write_open_requests(self) -> int:
         """Append the requests not yet retired to the stats file, marked ``"retired": false``, and
@@ -243,16 +265,11 @@ class StatsRegistry:
             pending, self.active = list(self.active.values()), {}
         if not self.stats_file or not pending:
             return 0
-        with open(self.stats_file, "a") as f:
-            for st in pending:
-                f.write(json.dumps({**st.to_dict(), "retired": False}) + "\n")
+        self._append([{**st.to_dict(), "retired": False} for st in pending])
         return len(pending)
 
     def _write_open_at_exit(self) -> None:
-        try:
-            self.write_open_requests()
-        except OSError as e:  # the file's folder may be gone by now: say so, do not raise at exit
-            logger.warning("sfi-vllm: could not write open requests' statistics to %s: %s", self.stats_file, e)
+        self.write_open_requests()
 
     def lookup(self, req_id: str) -> RequestStats | None:
         """One request's statistics, running or finished (None: not seen, or no longer kept)."""

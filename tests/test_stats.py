@@ -36,12 +36,35 @@ def test_no_file_no_writes(tmp_path):
     assert reg.lookup("a") is None  # forgotten once the process is done with it
 
 
-def test_exit_write_to_a_vanished_folder_warns_instead_of_raising(tmp_path, caplog):
-    reg = StatsRegistry(str(tmp_path / "gone" / "stats.jsonl"))
+def test_a_stats_file_that_cannot_be_written_stops_the_start_not_the_serving(tmp_path, caplog):
+    """A path in a missing directory is refused when the registry is made (at engine start-up);
+    a file whose directory goes away while serving is logged once, and requests go on."""
+    import pytest
+
+    from sfi_vllm.config import SFIConfigError
+
+    with pytest.raises(SFIConfigError, match="sfi.stats_file: cannot append to"):
+        StatsRegistry(str(tmp_path / "missing" / "stats.jsonl"))
+    with pytest.raises(SFIConfigError, match="sfi.stats_file"):
+        StatsRegistry(str(tmp_path))  # a directory
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    reg = StatsRegistry(str(folder / "stats.jsonl"))
+    (folder / "stats.jsonl").unlink()
+    folder.rmdir()
     _run(reg, "a", 1)
-    with caplog.at_level("WARNING", logger="sfi_vllm"):
-        reg._write_open_at_exit()
-    assert "could not write open requests" in caplog.text
+    _run(reg, "b", 1)
+    _run(reg, "c", 1)
+    with caplog.at_level("ERROR", logger="sfi_vllm"):
+        reg.finish("a")  # raised OSError into the engine step before
+        reg.finish("b")
+        reg._write_open_at_exit()  # "c", at exit
+    assert caplog.text.count("could not append request statistics") == 1
+    assert reg.lookup("a").fast_steps == 1  # still kept in memory
+    folder.mkdir()  # the folder is back: writing resumes
+    _run(reg, "d", 2)
+    reg.finish("d")
+    assert [json.loads(x)["req_id"] for x in (folder / "stats.jsonl").read_text().splitlines()] == ["d"]
 
 
 class _FakeCounter:
