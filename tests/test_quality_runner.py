@@ -220,3 +220,50 @@ def test_dtype_and_engine_options_parse():
     assert (args.dtype, args.max_num_seqs, args.gpu_memory_utilization, args.chunk_samples, args.time_limit) == \
         ("bfloat16", 256, 0.8, 70, 300.0)
     assert "bfloat16 on CUDA" in cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+
+
+def test_engine_sfi_sizes_the_buffers_for_every_request():
+    """eval and fidelity size their engine's compact buffers for the largest request, or refuse,
+    before anything runs (the engine's default K held 2052 tokens: retention 0.3 at 8K was
+    refused request by request after the dense phase had run)."""
+    from sfi_vllm.config import build_config
+    from sfi_vllm.tools.policies import policy_overrides
+    from sfi_vllm.tools.quality.runner import engine_sfi
+
+    assert engine_sfi(["dense", "sfi"], [0.1, 0.2], [2048], 2560) == {"selected_tokens": 2048}  # the default
+    policies = ["dense", "sfi", "quest", "streaming", "snapkv"]
+    sfi = engine_sfi(policies, [0.3], [8192], 8192)
+    need = max(build_config(policy_overrides(p, 0.3, 8192), use_env=False).compact_capacity(8192)
+               for p in policies if p != "dense")
+    assert build_config(sfi, use_env=False).compact_capacity(8192) == need > 2052
+    given = {"selected_tokens": 512, "reuse_budget": 30}
+    assert engine_sfi(["sfi"], [0.05], [8192], 8192, given) == given  # a budget the caller set is kept
+    with pytest.raises(ValueError, match=r"retention 0.3 and context 8192 needs sinks \+ K"):
+        engine_sfi(["sfi"], [0.3], [8192], 8192, given)
+
+
+def test_an_engine_failure_fails_the_eval_and_keeps_an_earlier_output(tmp_path, monkeypatch):
+    """A failed engine once ended the eval with exit status 0 and an emptied --out."""
+    import sfi_vllm.tools.engine_job as engine_job
+    from sfi_vllm.tools.quality.runner import run_eval
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    suite = tmp_path / "suite.jsonl"
+    save_suite(samples(), suite)
+    out = tmp_path / "q.jsonl"
+    out.write_text('{"earlier": 1}\n')
+
+    def engine_dies(job, env=None, quiet=False):
+        raise RuntimeError("the engine died")
+
+    monkeypatch.setattr(engine_job, "run_engine_job", engine_dies)
+    with pytest.raises(RuntimeError, match="engine failed before any sample was scored"):
+        run_eval(policies=["dense", "sfi"], contexts=[2048], tasks=TASKS, n=3, out=str(out), model=str(model),
+                 suite=str(suite), dtype="float32", progress=False)
+    assert out.read_text() == '{"earlier": 1}\n'
+    # a context the model cannot hold is refused before the suite is read or an engine starts
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+        run_eval(policies=["dense"], contexts=[16384], tasks=TASKS, out=str(out), model=str(model),
+                 suite=str(suite), dtype="float32")

@@ -90,6 +90,14 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     (["eval", "--samples", "two"], "--samples: not an integer: 'two'"),
     (["eval", "--time-limit", "0"], "--time-limit: must be a positive number"),
     (["eval", "--first-sample", "-3"], "--first-sample: must be 0 or more"),
+    # lists: each entry is checked before anything loads (these failed after the suite was built)
+    (["eval", "--retentions", "0.1,"], "--retentions: a comma-separated list of retentions without empty"),
+    (["eval", "--retentions", "nan"], "a retention is a fraction of the context in [0, 1]"),
+    (["fidelity", "--retentions", "-0.1"], "a retention is a fraction of the context in [0, 1]"),
+    (["eval", "--policies", "sfi,bogus"], "unknown policy 'bogus'"),
+    (["eval", "--policies", "sfi@0.1/2"], "got 2"),
+    (["eval", "--tasks", "passkey,nope"], "unknown task 'nope'"),
+    (["suite", "--out", "s.jsonl", "--contexts", "2048,0"], "--contexts: must be at least 1, got 0"),
 ])
 def test_cli_refuses_counts_that_leave_nothing_to_run(argv, needle, capsys):
     """A count of 0 or below once made `demo` and `batch` wait for ever after the engine loaded
@@ -107,3 +115,13 @@ def test_run_requests_refuses_a_max_open_below_one():
 
     with pytest.raises(ValueError, match="max_open must be at least 1"):
         run_requests(object(), iter([]), lambda rec: None, max_open=0)
+
+
+def test_cli_lists_parse_to_values():
+    from sfi_vllm.tools.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "--policies", "dense,sfi@0/0.2", "--retentions", "0.1, 0.2",
+                                      "--contexts", "2048,4096", "--tasks", "passkey"])
+    assert (args.policies, args.retentions, args.contexts, args.tasks) == (
+        ["dense", "sfi@0/0.2"], [0.1, 0.2], [2048, 4096], ["passkey"])
+    assert build_parser().parse_args(["eval"]).retentions == [0.1, 0.2]  # the defaults parse too

@@ -47,6 +47,44 @@ def _bounded(convert: type, ok, rule: str):
 _positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1")
 _non_negative_int = _bounded(int, lambda v: v >= 0, "must be 0 or more")
 _positive_float = _bounded(float, lambda v: 0 < v < float("inf"), "must be a positive number")
+_retention = _bounded(float, lambda v: 0 <= v <= 1,
+                      "a retention is a fraction of the context in [0, 1] (0: the engine's own working set)")
+
+
+def _one_of(names, what: str):
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; known: {', '.join(names)}")
+        return text
+
+    return parse
+
+
+def _policy_entry(names):
+    """A policy list entry: ``name`` or ``name@r1/r2`` (that policy at those retentions only)."""
+    policy = _one_of(names, "policy")
+
+    def parse(text: str) -> str:
+        name, at, own = text.partition("@")
+        policy(name)
+        if at:
+            _list_of(_retention, "retentions after @ (separated by /)")(own.replace("/", ","))
+        return text
+
+    return parse
+
+
+def _list_of(item, what: str):
+    """An argparse type for a comma-separated list, each entry parsed by ``item``: a bad entry is
+    a usage error before anything loads, not a failure after the suite is built."""
+
+    def parse(text: str) -> list:
+        parts = [p.strip() for p in text.split(",")]
+        if any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"a comma-separated list of {what} without empty entries, got {text!r}")
+        return [item(p) for p in parts]
+
+    return parse
 
 
 class UsageError(ValueError):
@@ -54,15 +92,18 @@ class UsageError(ValueError):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from sfi_vllm.tools.demo import DEMO_SFI, run_demo
+    from sfi_vllm.tools.demo import DEMO_SFI, DemoLengthError, run_demo
 
     sfi = dict(DEMO_SFI)
     if args.sfi:
         given = _json_arg(args.sfi, "--sfi")
         sfi = given if args.sfi_replace else {**DEMO_SFI, **given}
-    run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
-             max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
-             cache_dir=args.cache_dir)
+    try:
+        run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                 max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
+                 cache_dir=args.cache_dir)
+    except DemoLengthError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
@@ -121,10 +162,6 @@ def _model_dir(given: str | None, command: str) -> str:
     return str(prepare_model(progress=True))
 
 
-def _engine_kwargs(text: str | None) -> dict:
-    return json.loads(text) if text else {}
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.report import write_report
     from sfi_vllm.tools.quality.runner import check_model_dir, run_eval
@@ -135,14 +172,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"sfi-vllm eval: {e}", file=sys.stderr)
             return 2
-    run_eval(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
-             contexts=[int(x) for x in args.contexts.split(",")],
-             tasks=args.tasks.split(",") if args.tasks else None, n=args.samples, seed=args.seed,
+    run_eval(policies=args.policies, retentions=args.retentions, contexts=args.contexts,
+             tasks=args.tasks, n=args.samples, seed=args.seed,
              out=args.out, raw_out=args.raw, model=args.model, dtype=args.dtype,
              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs(args.engine_kwargs),
+             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_json_arg(args.engine_kwargs, "--engine-kwargs"),
              suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
-             stream_out=args.stream, ablations=args.ablations.split(",") if args.ablations else (),
+             stream_out=args.stream, ablations=args.ablations or (),
              ablation_samples=args.ablation_samples, progress=not args.no_progress, flow=args.flow,
              max_open=args.max_open, first_sample=args.first_sample)
     if args.report:
@@ -167,8 +203,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 
         model = str(prepare_model(progress=False))
     tok = AutoTokenizer.from_pretrained(model)
-    samples = make_suite(tok, tasks=args.tasks.split(",") if args.tasks else TASKS,
-                         contexts=[int(x) for x in args.contexts.split(",")], n=args.samples, seed=args.seed)
+    samples = make_suite(tok, tasks=args.tasks or TASKS, contexts=args.contexts, n=args.samples, seed=args.seed)
     save_suite(samples, args.out)
     print(f"wrote {len(samples)} samples to {args.out}")
     return 0
@@ -190,8 +225,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     if args.from_raw:
         rows = rows_from_raw(args.from_raw, args.out)
     else:
-        rows = run_fidelity(policies=args.policies.split(","), retentions=[float(x) for x in args.retentions.split(",")],
-                            contexts=[int(x) for x in args.contexts.split(",")], docs=args.docs,
+        rows = run_fidelity(policies=args.policies, retentions=args.retentions,
+                            contexts=args.contexts, docs=args.docs,
                             tokens=args.tokens, seed=args.seed, out=args.out, raw_out=args.raw,
                             instruction=args.instruction, free_running=not args.no_free_running,
                             ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs,
@@ -260,12 +295,17 @@ def build_parser() -> argparse.ArgumentParser:
     from sfi_vllm.tools.policies import POLICIES
 
     ev = sub.add_parser("eval", help="the offline long-context suite through vLLM, per policy and budget")
-    ev.add_argument("--policies", default=",".join(POLICIES),
+    from sfi_vllm.tools.quality.tasks import TASKS
+
+    contexts = _list_of(_positive_int, "context sizes")
+    retentions = _list_of(_retention, "retentions")
+    tasks = _list_of(_one_of(TASKS, "task"), "tasks")
+    ev.add_argument("--policies", type=_list_of(_policy_entry(POLICIES), "policies"), default=",".join(POLICIES),
                     help="comma-separated; name@r1/r2 runs that policy at those retentions only (0: the "
                     "engine's own working set)")
-    ev.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
-    ev.add_argument("--contexts", default="2048", help="context sizes in tokens, comma-separated")
-    ev.add_argument("--tasks", default=None, help="default: all tasks")
+    ev.add_argument("--retentions", type=retentions, default="0.1,0.2", help="working set / context, comma-separated")
+    ev.add_argument("--contexts", type=contexts, default="2048", help="context sizes in tokens, comma-separated")
+    ev.add_argument("--tasks", type=tasks, default=None, help="default: all tasks")
     ev.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="quality.jsonl")
@@ -286,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --chunk-samples: start no chunk that would end past this much generation "
                          "time; only fully run samples are scored")
     ev.add_argument("--stream", default=None, help="file for the finished phases (default: a temporary file)")
-    ev.add_argument("--ablations", default=None,
+    ev.add_argument("--ablations", type=_list_of(_policy_entry(POLICIES), "policies"), default=None,
                     help="policies (comma-separated) run only on samples of index < --ablation-samples")
     ev.add_argument("--ablation-samples", type=_positive_int, default=None)
     ev.add_argument("--flow", action="store_true",
@@ -299,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
-    su.add_argument("--contexts", default="2048")
-    su.add_argument("--tasks", default=None, help="default: all tasks")
+    su.add_argument("--contexts", type=contexts, default="2048")
+    su.add_argument("--tasks", type=tasks, default=None, help="default: all tasks")
     su.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--model", default=None, help="a prepared model directory (its tokenizer sizes the prompts)")
@@ -310,9 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sfi_vllm.tools.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
 
     fid = sub.add_parser("fidelity", help="teacher-forced top-1 agreement and KL of each policy against dense")
-    fid.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="dense is always included")
-    fid.add_argument("--retentions", default="0.1,0.2", help="working set / context, comma-separated")
-    fid.add_argument("--contexts", default="2048", help="context sizes in tokens (prompt + continuation)")
+    fid.add_argument("--policies", type=_list_of(_one_of(POLICIES, "policy"), "policies"),
+                     default=",".join(DEFAULT_POLICIES), help="dense is always included")
+    fid.add_argument("--retentions", type=retentions, default="0.1,0.2", help="working set / context, comma-separated")
+    fid.add_argument("--contexts", type=contexts, default="2048", help="context sizes in tokens (prompt + continuation)")
     fid.add_argument("--docs", type=_positive_int, default=3, help="documents per context")
     fid.add_argument("--tokens", type=_positive_int, default=128, help="T: teacher-forced decode steps per document")
     fid.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each document")

@@ -80,6 +80,10 @@ def gpu_result_link() -> str:
     return str(path) if path.exists() else GPU_RESULT_FILE
 
 
+class DemoLengthError(ValueError):
+    """The prompts and answers asked for do not fit the model's context length."""
+
+
 def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 96,
              sfi: dict[str, Any] | None = None, seed: int = 0, json_out: str | None = None,
              cache_dir: str | None = None) -> dict[str, Any]:
@@ -103,12 +107,19 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
     say = lambda msg: print(f"[sfi-vllm demo] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say("preparing SmolLM2-135M-Instruct")
     model = str(prepare_model(cache_dir, progress=True))
+    from sfi_vllm.tools.quality.runner import engine_max_len
+
+    try:  # the prompts, the chat template's tokens and the answers, within the model's length
+        max_model_len = engine_max_len(model, [prompt_tokens + max_tokens + 64])
+    except ValueError:
+        raise DemoLengthError(f"--prompt-tokens {prompt_tokens} + --max-tokens {max_tokens} (+ 64 for the chat "
+                         "template) exceed the model's context length") from None
     tok = AutoTokenizer.from_pretrained(model)
     prompts = long_prompts(tok, num_prompts, prompt_tokens, seed=seed)
     say("loading the vLLM engine with the SFI backend (about 30 s on 2 cores)")
     llm = LLM(model=model, attention_backend="sfi", additional_config={"sfi": sfi_cfg},
               logits_processors=[FORCE_PROCESSOR], generation_config="vllm", enforce_eager=True, seed=0,
-              max_model_len=prompt_tokens + max_tokens + 512, max_num_seqs=max(2, num_prompts),
+              max_model_len=max_model_len, max_num_seqs=max(2, num_prompts),
               dtype="auto" if torch.cuda.is_available() else CPU_DTYPE)
     chats = [[{"role": "user", "content": p}] for p in prompts]
 

@@ -106,7 +106,11 @@ def _run(job: EngineJob) -> dict[str, Any]:
     if job.attention_backend:
         kwargs["attention_backend"] = job.attention_backend
     if job.sfi is not None:
-        kwargs["additional_config"] = {"sfi": job.sfi}
+        extra = dict(kwargs.get("additional_config") or {})
+        if "sfi" in extra:
+            raise ValueError("the engine's SFI settings are given twice (EngineJob.sfi and "
+                             "engine_kwargs['additional_config']['sfi']): give them once")
+        kwargs["additional_config"] = {**extra, "sfi": job.sfi}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     t_load = time.perf_counter() - t0

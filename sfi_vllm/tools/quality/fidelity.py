@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from typing import Any
 
 from sfi_vllm.tools.policies import policy_overrides
+from sfi_vllm.tools.quality.runner import engine_max_len, engine_settings  # noqa: F401 (engine_max_len: part of this module's API)
 
 DEFAULT_POLICIES = ("dense", "sfi", "sfi-paper", "streaming", "snapkv", "quest")
 DEFAULT_INSTRUCTION = "Summarize the text above in detail, section by section."
@@ -70,23 +70,6 @@ def doc_tokens_for(context: int, tokens: int) -> int:
     if n < 64:
         raise ValueError(f"context {context} leaves no room for a document with {tokens} generated tokens")
     return n
-
-
-def engine_max_len(model_dir: str, contexts) -> int:
-    """``max_model_len`` for the fidelity engine: the largest context plus a margin for the chat
-    template's own tokens, never past the model's ``max_position_embeddings`` (vLLM refuses a
-    longer one); a context longer than the model's is refused before the engine starts."""
-    need = max(contexts)
-    cfg_path = os.path.join(model_dir, "config.json")
-    limit = None
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            limit = json.load(f).get("max_position_embeddings")
-    if limit is None:
-        return need + 512
-    if need > int(limit):
-        raise ValueError(f"context {need} is longer than the model's max_position_embeddings ({limit})")
-    return min(need + 512, int(limit))
 
 
 def build_requests(prompts: dict[int, list[str]], policies, retentions, tokens: int,
@@ -343,13 +326,14 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
     reqs, keys = build_requests(prompts, policies, retentions, tokens, free_running, ignore_eos)
     print(f"fidelity: {len(reqs)} requests ({docs} documents x {len(contexts)} contexts, T={tokens}) "
           f"in one vLLM engine", flush=True)
-    eng = dict(max_model_len=engine_max_len(model, contexts), max_num_seqs=max_num_seqs, enable_prefix_caching=True,
+    max_len, sfi, user = engine_settings(model, engine_kwargs, policies, retentions, contexts)
+    eng = dict(max_model_len=max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True,
                dtype=dtype, logits_processors=[FORCE_PROCESSOR])
     if gpu_memory_utilization is not None:
         eng["gpu_memory_utilization"] = gpu_memory_utilization
-    eng.update(engine_kwargs or {})
+    eng.update(user)
     t0 = time.time()
-    res = run_engine_job(EngineJob(model=model, requests=reqs, attention_backend="sfi", sfi={},
+    res = run_engine_job(EngineJob(model=model, requests=reqs, attention_backend="sfi", sfi=sfi,
                                    engine_kwargs=eng, progress=progress, collect=[COLLECT]),
                          env={} if _cuda() else cpu_engine_env(kv_cache_gib), quiet=not progress)
     print(f"engine finished in {time.time() - t0:.0f} s (generate {res['generate_s']:.0f} s)", flush=True)

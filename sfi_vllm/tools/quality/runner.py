@@ -267,6 +267,69 @@ def rescore(raw_files, out: str, merged_raw: str | None = None) -> list[dict[str
     return rows
 
 
+def engine_max_len(model_dir: str, contexts) -> int:
+    """``max_model_len`` for a quality engine (eval, fidelity): the largest context plus a margin for the chat
+    template's own tokens, never past the model's ``max_position_embeddings`` (vLLM refuses a
+    longer one); a context longer than the model's is refused before the engine starts."""
+    need = max(contexts)
+    cfg_path = os.path.join(model_dir, "config.json")
+    limit = None
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            limit = json.load(f).get("max_position_embeddings")
+    if limit is None:
+        return need + 512
+    if need > int(limit):
+        raise ValueError(f"context {need} is longer than the model's max_position_embeddings ({limit})")
+    return min(need + 512, int(limit))
+
+
+def engine_sfi(policies, retentions, contexts, max_model_len: int, given: dict | None = None) -> dict:
+    """The engine's SFI settings for the requests of ``policies`` (entries as
+    :func:`policy_retentions` reads them) x ``retentions`` x ``contexts``:
+    ``given`` (the caller's, e.g. from ``--engine-kwargs``' ``additional_config``), with K raised
+    where the caller set no budget so that the engine's compact buffers hold every request's sinks
+    + K. Raises ValueError, before any engine starts, if a request needs more than ``given``'s
+    buffers hold."""
+    from sfi_vllm.config import build_config
+
+    given = dict(given or {})
+    need, worst = 0, None
+    for policy, own in policy_retentions(policies, retentions):
+        if policy == "dense":
+            continue
+        for r in own:
+            for c in contexts:
+                cap = build_config(policy_overrides(policy, r, c), use_env=False).compact_capacity(max_model_len)
+                if cap > need:
+                    need, worst = cap, (policy, r, c)
+    sfi = dict(given)  # requests with no budget of their own (retention 0) then take the raised K
+    if "selected_tokens" not in given and "selected_fraction" not in given and worst is not None:
+        base = build_config(given, use_env=False)
+        sfi["selected_tokens"] = max(base.selected_budget(max_model_len), need - base.sinks)
+    have = build_config(sfi, use_env=False).compact_capacity(max_model_len) if worst is not None else 0
+    if worst is not None and need > have:
+        policy, r, c = worst
+        raise ValueError(f"policy {policy} at retention {r} and context {c} needs sinks + K = {need} tokens, "
+                         f"more than the engine's SFI settings {given} hold ({have}); raise their selected_tokens "
+                         "or leave the budget out")
+    return sfi
+
+
+def engine_settings(model: str, engine_kwargs: dict | None, policies, retentions,
+                    contexts) -> tuple[int, dict, dict]:
+    """``(max_model_len, the engine's SFI settings, the other engine kwargs)`` for a quality run:
+    :func:`engine_max_len` and :func:`engine_sfi`, with the SFI settings a caller gave in
+    ``engine_kwargs['additional_config']['sfi']`` taken as ``given``."""
+    max_len = engine_max_len(model, contexts)
+    rest = dict(engine_kwargs or {})
+    extra = dict(rest.pop("additional_config", None) or {})
+    sfi = engine_sfi(policies, retentions, contexts, max_len, extra.pop("sfi", None))
+    if extra:
+        rest["additional_config"] = extra
+    return max_len, sfi, rest
+
+
 def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
              out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
              max_num_seqs: int = 8, engine_kwargs: dict | None = None, model: str | None = None,
@@ -288,6 +351,8 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     else:
         model = check_model_dir(model)
     dtype = resolve_dtype(dtype)
+    # the engine's length and SFI settings, checked before the suite is built or an engine starts
+    max_len, sfi, eng = engine_settings(model, engine_kwargs, list(policies) + list(ablations), retentions, contexts)
     t0 = time.time()
     if suite:
         samples = [x for f in suite.split(",") for x in load_suite(f, tasks=set(tasks), contexts=set(contexts), n=n)]
@@ -314,11 +379,9 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         how = f"chunks of {chunk_samples or len(samples)} samples"
     print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills, {how}, dtype {dtype})",
           flush=True)
-    eng = dict(max_model_len=max(contexts) if max(contexts) >= 8192 else max(contexts) + 512,
-               max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype)
-    if gpu_memory_utilization is not None:
-        eng["gpu_memory_utilization"] = gpu_memory_utilization
-    eng.update(engine_kwargs or {})
+    eng = dict(max_model_len=max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype,
+               **({} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}),
+               **eng)
     import torch
 
     env = {} if torch.cuda.is_available() else cpu_engine_env(kv_cache_gib)
@@ -327,15 +390,17 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         if Path(stream).exists():
             Path(stream).unlink()
         t0 = time.time()
-        job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi={}, engine_kwargs=eng,
+        job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi=sfi, engine_kwargs=eng,
                         progress=progress, phase_group=2, time_limit_s=time_limit_s, stream_out=stream,
                         max_open=max_open if flow else None)
+        failure = None
         try:
             res = run_engine_job(job, env=env, quiet=False)
             print(f"engine finished in {time.time() - t0:.0f} s (load {res['load_s']:.0f} s, "
                   f"generate {res['generate_s']:.0f} s; {res['skipped']} requests skipped by the time limit)",
                   flush=True)
-        except Exception as e:  # salvage the finished phases
+        except Exception as e:  # salvage the finished phases, then fail the run
+            failure = e
             res = load_stream(stream, len(requests))
             print(f"ENGINE FAILED after {time.time() - t0:.0f} s: {e}\nscoring the {len(requests) - res['skipped']} "
                   f"requests it finished", flush=True)
@@ -348,8 +413,13 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     if raw_out:
         write_jsonl(raw_out, per)
     rows = aggregate(per)
+    if failure is not None and not rows:  # keep an earlier run's file rather than empty it
+        raise RuntimeError(f"the engine failed before any sample was scored ({failure}); {out} left as it was")
     write_jsonl(out, rows)
     print(f"wrote {len(rows)} rows to {out}")
+    if failure is not None:
+        raise RuntimeError(f"the engine failed ({failure}); {out} holds the {len(rows)} rows of the samples it "
+                           "finished")
     errors = [p for p in per if p["config_error"]]
     if errors:
         raise RuntimeError(f"{len(errors)} requests had a bad SFI config: {errors[0]['config_error']}")
