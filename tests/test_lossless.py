@@ -48,12 +48,31 @@ def test_lossless_sets_the_drafters_backend_to_sfi():
 @pytest.mark.parametrize("spec,needle", [
     (_spec(method="ngram"), "method draft_model; got 'ngram'"),
     (_spec(model="/models/other"), "must be '/models/m'; got '/models/other'"),
+    # the same checkpoint, built as another model: vLLM gives the drafter the speculative config's
+    # revision and quantization, and builds its config without the model's hf_overrides
+    (SimpleNamespace(**{**vars(_spec()), "draft_model_config": SimpleNamespace(model="/models/m", revision="v2")}),
+     "drafter's revision ('v2') differs from the model's (None)"),
     (SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
     (SimpleNamespace(**vars(_spec()), parallel_drafting=True), "parallel_drafting"),
 ])
 def test_lossless_refuses_other_drafters(spec, needle):
     problems = speculative_problems(build_config(LOSSLESS), _engine(None, spec))
     assert any(needle in p for p in problems), problems
+
+
+def test_the_drafter_is_the_served_checkpoint_however_its_path_is_written(tmp_path, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(tmp_path)
+    for drafter in (f"{model}/", str(tmp_path / "link"), "m", "./m"):
+        assert speculative_problems(build_config(LOSSLESS), _engine(None, _spec(model=drafter), model=str(model))) == []
+    # served with hf_overrides (4 layers): vLLM builds the drafter's config without them
+    engine = _engine(None, _spec(model=str(model)), model=str(model))
+    engine.model_config.hf_config = SimpleNamespace(num_hidden_layers=4, hidden_size=576)
+    engine.speculative_config.draft_model_config.hf_config = SimpleNamespace(num_hidden_layers=30, hidden_size=576)
+    (problem,) = speculative_problems(build_config(LOSSLESS), engine)
+    assert "config's num_hidden_layers (30) differs from the model's (4)" in problem and "hf_overrides" in problem
 
 
 def test_synthetic_acceptance_only_with_the_experimental_switch():

@@ -91,6 +91,40 @@ def check_compact_budget(cfg, vllm_config, packed: bool) -> None:
         raise SFIConfigError(str(e)) from None
 
 
+def _same_checkpoint(a: str, b: str) -> bool:
+    """Whether two model names are one checkpoint: a local directory written two ways (a trailing
+    slash, relative or absolute, through a link) is the same; other names compare as given."""
+    import os
+
+    if a == b:
+        return True
+    if os.path.isdir(a) and os.path.isdir(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")
+
+
+# model-config fields whose difference makes the drafter another model, and what to change
+_DRAFTER_FIELDS = (
+    ("revision", "give the speculative config the model's revision"),
+    ("quantization", "give the speculative config the model's quantization"),
+)
+# the architecture's shape: vLLM builds the drafter's config without the model's hf_overrides
+_DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "max_position_embeddings")
+
+
+def _drafter_differences(model_config, draft) -> list[tuple[str, object, object, str]]:
+    out = [(f, getattr(model_config, f, None), getattr(draft, f, None), fix) for f, fix in _DRAFTER_FIELDS
+           if getattr(model_config, f, None) != getattr(draft, f, None)]
+    ours, theirs = getattr(model_config, "hf_config", None), getattr(draft, "hf_config", None)
+    if ours is not None and theirs is not None:
+        out += [(f"config's {f}", getattr(ours, f, None), getattr(theirs, f, None),
+                 "the drafter is built without the model's hf_overrides: serve the model with them "
+                 "written into its config.json")
+                for f in _DRAFTER_SHAPE if getattr(ours, f, None) != getattr(theirs, f, None)]
+    return out
+
+
 def speculative_problems(cfg, vllm_config) -> list[str]:
     """What stops this engine's speculative decoding, if any; ``sfi.mode: lossless`` *is* speculative
     decoding: vLLM's ``draft_model`` method with this same checkpoint as the drafter, SFI in the
@@ -127,9 +161,14 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
         problems.append("sfi.mode lossless drafts one token per pass; parallel_drafting needs a drafter "
                         "trained for it")
     draft = getattr(spec, "draft_model_config", None)
-    if draft is not None and model_config is not None and draft.model != model_config.model:
-        problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "
-                        f"must be {model_config.model!r}; got {draft.model!r}")
+    if draft is not None and model_config is not None:
+        if not _same_checkpoint(draft.model, model_config.model):
+            problems.append(f"sfi.mode lossless drafts with the served model itself: the speculative model "
+                            f"must be {model_config.model!r}; got {draft.model!r}")
+        else:
+            problems += [f"sfi.mode lossless drafts with the served model itself: the drafter's {what} "
+                         f"({theirs!r}) differs from the model's ({ours!r}); {fix}"
+                         for what, ours, theirs, fix in _drafter_differences(model_config, draft)]
     if spec.attention_backend is None:
         spec.attention_backend = AttentionBackendEnum.CUSTOM  # the drafter's layers run SFI
     elif spec.attention_backend != AttentionBackendEnum.CUSTOM:
