@@ -103,6 +103,16 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     assert p.modes == [StepMode.DENSE] and ctl.slot_of["c"] >= 2 and ctl.free_compact
     assert ctl.stats.get("c").fallback == "compact_pool_full" and metric._value.get() == before + 1
 
+    class PreemptedAgain:
+        finished_req_ids, preempted_req_ids = set(), {"c"}
+
+    ctl.on_scheduler_output(PreemptedAgain())
+    step(["x"], dense)  # a dense request takes the last slot without a compact set (d holds the other)
+    assert not ctl.free_plain and ctl.free_compact
+    p = step(["c"])  # back again: only compact sets are free, and it still runs densely
+    assert p.modes == [StepMode.DENSE] and ctl.slot_of["c"] < 2
+    assert ctl.stats.get("c").policy == "dense" and metric._value.get() == before + 1
+
 
 def test_the_shared_fake_engine_config_sizes_a_pool():
     """The GPU kernel tests build their controllers from ``fake_vllm_config``; on CUDA the controller
