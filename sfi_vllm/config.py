@@ -230,7 +230,8 @@ class Policy(_SettingsModel):
         description="grow: the window starts where it did at the last slow step and takes in new "
         "tokens; slide: it is the last recent_window tokens at every step",
     )
-    quest_page: int = Field(16, ge=1, le=4096, description="page size of the quest policy; at most K (K is taken in whole pages)")
+    quest_page: int = Field(16, ge=1, le=4096,
+                            description="page size of the quest policy; at most K (K is taken in whole pages)")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -603,9 +604,14 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
                 merged["selector"] = {**merged.get("selector", {}), **value}
             else:
                 merged[key] = value
-    user = {**file_values, **overrides}
-    if user.get("selected_fraction") is not None and "selected_tokens" not in user:
-        merged.pop("selected_tokens", None)  # a fraction given by the user replaces the preset's K
+        # a layer that gives the budget in one form replaces the other form of the layers under it
+        # (a fraction in $SFI_CONFIG replaces the preset's K, a K given here the file's fraction);
+        # only both forms in one layer contradict
+        forms = [k for k in ("selected_tokens", "selected_fraction") if layer.get(k) is not None]
+        if len(forms) == 1:
+            other = "selected_fraction" if forms[0] == "selected_tokens" else "selected_tokens"
+            if other not in layer:
+                merged.pop(other, None)
     try:
         return SFIConfig.model_validate(merged)
     except ValidationError as e:

@@ -322,7 +322,8 @@ class SFIController:
                         req_id, self.compact_slots, n)
                 self.stats.note_fallback(req_id, "compact_pool_full")
                 cfg = self.cfg.model_copy(update={"policy": "dense"})
-                slot = (self.free_plain or self.free_compact).pop()  # a fallback back from a preemption may find only compact sets free
+                # a fallback back from a preemption may find only compact sets free
+                slot = (self.free_plain or self.free_compact).pop()
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
             self.trigger.configure(slot, cfg)

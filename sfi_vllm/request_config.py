@@ -99,11 +99,15 @@ def _allowed_keys_text() -> str:
 
 
 def _looks_sfi(key: Any) -> bool:
-    """An ``extra_args`` key meant for SFI: any key that starts with ``sfi`` in any letter case,
-    ``sfi.selected_tokens``, ``sfi-policy`` and ``sfipolicy`` included. Only ``sfi`` and the exact
-    ``sfi_*`` names are settings; :func:`request_overrides` refuses the others, with the name
-    meant where it can tell, rather than let a misspelt setting be ignored."""
-    return isinstance(key, str) and key.strip().lower().startswith(REQUEST_KEY)
+    """An ``extra_args`` key meant for SFI: ``sfi``, or ``sfi`` then a separator and more, in any
+    letter case and separator (``sfi_policy``, ``SFI.selected_tokens``, ``sfi-policy``). Only
+    ``sfi`` and the exact ``sfi_*`` names are settings; :func:`request_overrides` refuses the
+    others, with the name meant where it can tell, rather than let a misspelt setting be ignored.
+    A key that merely begins with the letters (``sfinder_mode``) is another extension's."""
+    if not isinstance(key, str):
+        return False
+    k = key.strip().lower()
+    return k == REQUEST_KEY or (k.startswith(REQUEST_KEY) and not k[len(REQUEST_KEY)].isalnum())
 
 
 def _meant_key(key: str) -> str | None:
@@ -116,8 +120,8 @@ def _meant_key(key: str) -> str | None:
 
 
 def sfi_entries(extra_args: Any) -> dict[str, Any]:
-    """The entries of ``extra_args`` that are SFI settings (``sfi`` and ``sfi_*``, and the same
-    names in other letter cases, which are refused)."""
+    """The entries of ``extra_args`` meant for SFI (:func:`_looks_sfi`: ``sfi`` and ``sfi_*``, and
+    the same names written otherwise, which are refused)."""
     if not isinstance(extra_args, Mapping):
         return {}
     return {k: v for k, v in extra_args.items() if _looks_sfi(k)}

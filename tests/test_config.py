@@ -202,3 +202,20 @@ def test_presets_set_policy_fields_only(name):
     from sfi_vllm.config import Policy
 
     assert set(preset_values(name)) <= set(Policy.model_fields) - {"preset"}
+
+
+def test_a_layer_gives_the_budget_in_one_form_over_the_other(tmp_path, monkeypatch):
+    """preset < $SFI_CONFIG < overrides: a layer's K replaces a fraction below it and the other
+    way round (a K in --additional-config over a file's fraction was refused as both forms)."""
+    monkeypatch.setenv("SFI_CONFIG", str(tmp_path / "sfi.yaml"))
+    (tmp_path / "sfi.yaml").write_text("selected_fraction: 0.1\n")
+    cfg = build_config({"selected_tokens": 512})
+    assert (cfg.selected_tokens, cfg.selected_fraction) == (512, None)
+    assert build_config({}).selected_fraction == 0.1
+    (tmp_path / "sfi.yaml").write_text("preset: speed\nselected_fraction: 0.2\n")  # over the preset's K
+    assert (build_config({}).selected_tokens, build_config({}).selected_fraction) == (None, 0.2)
+    (tmp_path / "sfi.yaml").write_text("selected_tokens: 256\n")
+    cfg = build_config({"selected_fraction": 0.3})
+    assert (cfg.selected_tokens, cfg.selected_fraction) == (None, 0.3)
+    with pytest.raises(SFIConfigError, match="not both"):  # both forms in one layer contradict
+        build_config({"selected_tokens": 512, "selected_fraction": 0.3})

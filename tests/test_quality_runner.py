@@ -222,7 +222,7 @@ def test_dtype_and_engine_options_parse():
     assert "bfloat16 on CUDA" in cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
 
 
-def test_engine_sfi_sizes_the_buffers_for_every_request():
+def test_engine_sfi_sizes_the_buffers_for_every_request(tmp_path, monkeypatch):
     """eval and fidelity size their engine's compact buffers for the largest request, or refuse,
     before anything runs (the engine's default K held 2052 tokens: retention 0.3 at 8K was
     refused request by request after the dense phase had run)."""
@@ -230,12 +230,21 @@ def test_engine_sfi_sizes_the_buffers_for_every_request():
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.tools.quality.runner import engine_sfi
 
-    assert engine_sfi(["dense", "sfi"], [0.1, 0.2], [2048], 2560) == {"selected_tokens": 2048}  # the default
+    assert engine_sfi(["dense", "sfi"], [0.1, 0.2], [2048], 2560) == {}  # the engine's defaults hold them
+    assert engine_sfi(["sfi@0"], [0.1], [8192], 8192, {"selected_tokens": 512}) == {"selected_tokens": 512}
     policies = ["dense", "sfi", "quest", "streaming", "snapkv"]
     sfi = engine_sfi(policies, [0.3], [8192], 8192)
     need = max(build_config(policy_overrides(p, 0.3, 8192), use_env=False).compact_capacity(8192)
                for p in policies if p != "dense")
     assert build_config(sfi, use_env=False).compact_capacity(8192) == need > 2052
+    # $SFI_CONFIG applies under the settings, as in the engine: its fraction holds 10% of 8K, and
+    # a K given over it replaces it where it does not hold 30%
+    monkeypatch.setenv("SFI_CONFIG", str(tmp_path / "sfi.yaml"))
+    (tmp_path / "sfi.yaml").write_text("selected_fraction: 0.1\n")
+    assert engine_sfi(["sfi"], [0.1], [8192], 8192) == {}
+    raised = build_config(engine_sfi(["sfi"], [0.3], [8192], 8192))
+    assert raised.selected_fraction is None and raised.compact_capacity(8192) == build_config(
+        policy_overrides("sfi", 0.3, 8192), use_env=False).compact_capacity(8192)
     given = {"selected_tokens": 512, "reuse_budget": 30}
     assert engine_sfi(["sfi"], [0.05], [8192], 8192, given) == given  # a budget the caller set is kept
     with pytest.raises(ValueError, match=r"retention 0.3 and context 8192 needs sinks \+ K"):

@@ -59,6 +59,11 @@ def test_the_three_forms_give_the_same_config():
     assert resolve_request_config(lim, None) is lim.cfg
 
 
+def test_keys_of_other_extensions_are_left_alone():
+    lim = limits()
+    assert resolve_request_config(lim, {"sfinder_mode": 1, "sfi2": "x", "other": 3}) is lim.cfg
+
+
 def test_a_streaming_engine_says_why_a_request_cannot_select():
     lim = limits({**ENGINE, "policy": "streaming"})
     with pytest.raises(SFIRequestError, match="runs policy streaming, which selects nothing") as info:
@@ -105,12 +110,12 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"SFI_POLICY": "dense"}, "vllm_xargs.SFI_POLICY", "did you mean 'sfi_policy'"),
     ({"Sfi": '{"sinks": 2}'}, "vllm_xargs.Sfi", "did you mean 'sfi'"),
     ({"SFI_SINKZ": 2}, "vllm_xargs.SFI_SINKZ", "unknown SFI setting"),
-    # the dotted form the docs use for fields, other separators, and keys that start with sfi but
-    # name nothing: refused, not ignored (the request would otherwise run with the engine's settings)
+    # the dotted form the docs use for fields, and other separators: refused, not ignored (the
+    # request would otherwise run with the engine's settings)
     ({"sfi.selected_tokens": 512}, "vllm_xargs.sfi.selected_tokens", "did you mean 'sfi_selected_tokens'"),
     ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
     ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
-    ({"sfipolicy": "dense"}, "vllm_xargs.sfipolicy", "unknown SFI setting"),
+    ({"sfi_": "dense"}, "vllm_xargs.sfi_", "did you mean 'sfi'"),
     # a value the request's preset set: the error names the preset, the field the client sent
     ({"sfi_preset": "speed"}, "vllm_xargs.sfi_preset", "sinks + K <= 68"),
     # Quest takes K in whole pages: a page larger than K would select nothing at every context

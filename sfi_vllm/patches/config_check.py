@@ -108,7 +108,7 @@ _DRAFTER_FIELDS = (
     ("revision", "give the speculative config the model's revision"),
     ("quantization", "give the speculative config the model's quantization"),
 )
-# the architecture's shape: vLLM builds the drafter's config without the model's hf_overrides
+# the architecture's shape: vLLM builds the drafter's config without a dict of the model's hf_overrides
 _DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "vocab_size", "max_position_embeddings")
 
@@ -119,8 +119,8 @@ def _drafter_differences(model_config, draft) -> list[tuple[str, object, object,
     ours, theirs = getattr(model_config, "hf_config", None), getattr(draft, "hf_config", None)
     if ours is not None and theirs is not None:
         out += [(f"config's {f}", getattr(ours, f, None), getattr(theirs, f, None),
-                 "the drafter is built without the model's hf_overrides: serve the model with them "
-                 "written into its config.json")
+                 "vLLM builds the drafter without the model's hf_overrides (a dict of them): serve the "
+                 "model with them written into its config.json")
                 for f in _DRAFTER_SHAPE if getattr(ours, f, None) != getattr(theirs, f, None)]
     return out
 

@@ -286,43 +286,49 @@ def engine_max_len(model_dir: str, contexts) -> int:
 
 def engine_sfi(policies, retentions, contexts, max_model_len: int, given: dict | None = None) -> dict:
     """The engine's SFI settings for the requests of ``policies`` (entries as
-    :func:`policy_retentions` reads them) x ``retentions`` x ``contexts``:
-    ``given`` (the caller's, e.g. from ``--engine-kwargs``' ``additional_config``), with K raised
-    where the caller set no budget so that the engine's compact buffers hold every request's sinks
-    + K. Raises ValueError, before any engine starts, if a request needs more than ``given``'s
-    buffers hold."""
-    from sfi_vllm.config import build_config
+    :func:`policy_retentions` reads them) x ``retentions`` x ``contexts``: ``given`` (the caller's,
+    e.g. from ``--engine-kwargs``' ``additional_config``; ``$SFI_CONFIG`` applies under it, as in
+    the engine) as it is where its compact buffers hold every request's sinks + K, merged over it
+    as the engine merges them. Where they do not and the caller set no budget, K is raised to fit
+    (requests that take the engine's own working set, retention 0, then take that K too).
+    Raises ValueError before any engine starts where the caller's budget is too small."""
+    from sfi_vllm.config import SFIConfigError, build_config, merge_policy
 
     given = dict(given or {})
+    base = build_config(given)
     need, worst = 0, None
     for policy, own in policy_retentions(policies, retentions):
         if policy == "dense":
             continue
         for r in own:
             for c in contexts:
-                cap = build_config(policy_overrides(policy, r, c), use_env=False).compact_capacity(max_model_len)
+                cap = merge_policy(base, policy_overrides(policy, r, c)).compact_capacity(max_model_len)
                 if cap > need:
                     need, worst = cap, (policy, r, c)
-    sfi = dict(given)  # requests with no budget of their own (retention 0) then take the raised K
-    if "selected_tokens" not in given and "selected_fraction" not in given and worst is not None:
-        base = build_config(given, use_env=False)
-        sfi["selected_tokens"] = max(base.selected_budget(max_model_len), need - base.sinks)
-    have = build_config(sfi, use_env=False).compact_capacity(max_model_len) if worst is not None else 0
-    if worst is not None and need > have:
-        policy, r, c = worst
-        raise ValueError(f"policy {policy} at retention {r} and context {c} needs sinks + K = {need} tokens, "
-                         f"more than the engine's SFI settings {given} hold ({have}); raise their selected_tokens "
-                         "or leave the budget out")
+    have = base.compact_capacity(max_model_len)
+    if need <= have:
+        return given
+    policy, r, c = worst
+    too_small = (f"policy {policy} at retention {r} and context {c} needs sinks + K = {need} tokens, more than "
+                 f"the engine's SFI settings hold ({have})")
+    if any(k in given for k in ("selected_tokens", "selected_fraction", "selected_cap")):
+        raise ValueError(f"{too_small}; raise the budget of the SFI settings given, or leave it out")
+    sfi = {**given, "selected_tokens": need - base.sinks}
+    try:
+        build_config(sfi)
+    except SFIConfigError as e:  # e.g. $SFI_CONFIG gives the budget as a fraction
+        raise ValueError(f"{too_small}, and K cannot be raised over them: {e}") from None
     return sfi
 
 
 def engine_settings(model: str, engine_kwargs: dict | None, policies, retentions,
                     contexts) -> tuple[int, dict, dict]:
     """``(max_model_len, the engine's SFI settings, the other engine kwargs)`` for a quality run:
-    :func:`engine_max_len` and :func:`engine_sfi`, with the SFI settings a caller gave in
+    the caller's ``max_model_len`` if ``engine_kwargs`` has one, else :func:`engine_max_len`, and
+    :func:`engine_sfi`, with the SFI settings a caller gave in
     ``engine_kwargs['additional_config']['sfi']`` taken as ``given``."""
-    max_len = engine_max_len(model, contexts)
     rest = dict(engine_kwargs or {})
+    max_len = rest.get("max_model_len") or engine_max_len(model, contexts)
     extra = dict(rest.pop("additional_config", None) or {})
     sfi = engine_sfi(policies, retentions, contexts, max_len, extra.pop("sfi", None))
     if extra:
@@ -379,9 +385,10 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         how = f"chunks of {chunk_samples or len(samples)} samples"
     print(f"running {len(requests)} requests in one vLLM engine ({len(samples)} prefills, {how}, dtype {dtype})",
           flush=True)
-    eng = dict(max_model_len=max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype,
-               **({} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}),
-               **eng)
+    user, eng = eng, dict(max_model_len=max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True, dtype=dtype)
+    if gpu_memory_utilization is not None:
+        eng["gpu_memory_utilization"] = gpu_memory_utilization
+    eng.update(user)  # the caller's engine kwargs win
     import torch
 
     env = {} if torch.cuda.is_available() else cpu_engine_env(kv_cache_gib)
