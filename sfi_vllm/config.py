@@ -516,6 +516,8 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise SFIConfigError(f"{what}: file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+        raise SFIConfigError(f"{what}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     except yaml.YAMLError as e:
         raise SFIConfigError(f"{what}: {path} is not valid YAML: {e}") from None
     if data is None:

@@ -74,6 +74,66 @@ def test_done_ids_drops_a_cut_off_last_line_and_optionally_errors(tmp_path):
     assert out.read_text() == '{"id": "a", "text": "x"}\n'
     assert done_ids(tmp_path / "none.jsonl") == set()
 
+    # a line that is no record of ours is kept as it is (only the cut-off last line is dropped)
+    out.write_text('notes\n{"id": "a", "text": "x"}\nnull\n{"id": "b", "te')
+    assert done_ids(out) == {"a"} and out.read_text() == 'notes\n{"id": "a", "text": "x"}\nnull\n'
+
+
+def test_batch_files_are_read_as_json_lines_and_checked_before_the_engine(tmp_path):
+    from sfi_vllm.tools.batch import BatchFileError, earlier_error_ids, read_input_lines
+
+    inp = tmp_path / "in.jsonl"
+    # U+2028 is allowed raw in a JSON string: it does not end the line; a byte-order mark and CRLF go
+    inp.write_bytes('\ufeff{"id": "a", "prompt": "first\u2028second"}\r\n\n{"id": "b", "prompt": "x"}\n'.encode())
+    lines = read_input_lines(inp)
+    assert [n for n, _ in lines] == [1, 3]
+    assert parse_line(lines[0][1], 1)[1].prompt == "first\u2028second"
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
+    for args, needle in (((tmp_path / "latin1.jsonl",), "not UTF-8"), ((tmp_path / "none.jsonl",), "cannot read"),
+                         ((inp, inp), "the output is the input"), ((inp, tmp_path), "the output is a directory")):
+        with pytest.raises(BatchFileError, match=needle):
+            read_input_lines(*args)
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "error": "bad"}\n{"id": "b", "text": "y"}\n')
+    assert earlier_error_ids(out) == {"a"}
+
+
+@pytest.mark.parametrize("body, needle", [
+    (5, "body must be a JSON object"),
+    ({"prompt": "a", "vllm_xargs": 5}, "vllm_xargs must be a JSON object"),
+    ({"prompt": "a", "extra_args": "s", "vllm_xargs": {"k": 1}}, "extra_args must be a JSON object"),
+    ({"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "json_object"}},
+     "response_format: not supported"),
+])
+def test_openai_lines_that_cannot_run_are_errors_of_the_line(body, needle):
+    with pytest.raises(LineError, match=needle):
+        parse_line(json.dumps({"custom_id": "c", "body": body}), 1)
+
+
+def test_openai_fields_that_do_not_change_the_output_are_taken():
+    body = {"messages": [{"role": "user", "content": "q"}], "user": "alice", "store": False, "n": None,
+            "logprobs": True, "top_logprobs": 3, "max_tokens": 4}
+    _, req = parse_line(json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": body}), 1)
+    assert req.sampling == {"logprobs": 3, "max_tokens": 4}
+    _, req = parse_line(json.dumps({"custom_id": "c", "body": {**body, "logprobs": False}}), 1)
+    assert req.sampling == {"max_tokens": 4}
+    with pytest.raises(LineError, match="a batch generates text"):
+        parse_line(json.dumps({"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}), 1)
+
+
+def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, capsys):
+    from sfi_vllm.tools import cli
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    assert cli.main(["batch", str(inp), str(inp)]) == 2
+    assert "the output is the input" in capsys.readouterr().err
+    assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--attention-backend", "dense",
+                     "--sfi", '{"sinks": 2}']) == 2
+    assert "leave --sfi out" in capsys.readouterr().err
+    assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--sfi", '{"sinks": 2, "sinks": 4}']) == 2
+    assert "'sinks' is given twice" in capsys.readouterr().err
+
 
 # --------------------------------------------------------------------------- engines
 

@@ -70,17 +70,38 @@ class LineError(ValueError):
 
 
 _OPENAI_BODY_INPUTS = {"messages", "prompt"}
-_OPENAI_BODY_IGNORED = {"model", "stream", "stream_options", "n"}
+# fields of an OpenAI request that do not change what is generated
+_OPENAI_BODY_IGNORED = {"model", "stream", "stream_options", "n", "user", "store", "metadata", "service_tier",
+                        "parallel_tool_calls"}
+_OPENAI_BODY_UNSUPPORTED = {"response_format", "tools", "tool_choice", "functions", "function_call",
+                            "chat_template_kwargs", "structured_outputs"}
+_OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
 
 
 def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
-    body = dict(data.get("body") or {})
+    url = data.get("url")
+    if url is not None and url not in _OPENAI_URLS:
+        raise ValueError(f"url {url!r}: a batch generates text ({', '.join(sorted(_OPENAI_URLS))})")
+    if not isinstance(data.get("body"), dict):
+        raise ValueError("body must be a JSON object (the request)")
+    body = dict(data["body"])
     if body.get("stream"):
         raise ValueError("streaming requests are not supported in a batch")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise ValueError("n > 1 is not supported in a batch (one completion per line)")
-    xargs = dict(body.pop("vllm_xargs", None) or {})
+    unsupported = sorted(_OPENAI_BODY_UNSUPPORTED & set(body))
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not supported by sfi-vllm batch (vLLM's run-batch "
+                         "takes structured output and tools)")
+    if "logprobs" in body and "messages" in body:  # chat: a flag, and top_logprobs the count
+        wanted, top = body.pop("logprobs"), body.pop("top_logprobs", None)
+        if wanted:
+            body["logprobs"] = top or 0
+    xargs = body.pop("vllm_xargs", None) or {}
+    if not isinstance(xargs, dict):
+        raise ValueError("vllm_xargs must be a JSON object")
+    xargs = dict(xargs)
     sfi = body.pop("sfi", None)
     # SFI settings in vllm_xargs as the OpenAI API carries them: flat sfi_* keys or one JSON string
     # "sfi" (sfi_vllm.request_config); the other vllm_xargs entries go to SamplingParams.extra_args
@@ -95,7 +116,10 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
             sfi = parsed[0]
     rest = {k: v for k, v in xargs.items() if k not in ours}
     if rest:
-        body["extra_args"] = {**(body.get("extra_args") or {}), **rest}
+        extra = body.get("extra_args") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("extra_args must be a JSON object")
+        body["extra_args"] = {**extra, **rest}
     line = {k: body.pop(k) for k in list(body) if k in _OPENAI_BODY_INPUTS}
     for k in _OPENAI_BODY_IGNORED:
         body.pop(k, None)
@@ -121,7 +145,7 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
         msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg'].removeprefix('Value error, ')}"
                         for err in e.errors())
         raise LineError(rid, msg) from None
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise LineError(rid, str(e)) from None
     return rid, req
 
@@ -132,22 +156,70 @@ def done_ids(out: Path, retry_errors: bool = False) -> set[str]:
     dropped too (those ids run again)."""
     if not out.exists():
         return set()
-    raw = out.read_text()
-    lines = raw.splitlines(keepends=True)
+    raw = out.read_text(encoding="utf-8")
+    lines = raw.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
     kept, ids = [], set()
-    for line in lines:
+    for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue  # cut off
-        if retry_errors and rec.get("error") is not None:
-            continue
-        kept.append(line if line.endswith("\n") else line + "\n")
-        ids.add(str(rec.get("id")))
+            if i == len(lines) - 1 and not raw.endswith("\n"):
+                continue  # the last line, cut off by a kill
+            rec = None  # not a record of ours: kept as it is
+        if isinstance(rec, dict) and "id" in rec:
+            if retry_errors and rec.get("error") is not None:
+                continue
+            ids.add(str(rec["id"]))
+        kept.append(line + "\n")
     text = "".join(kept)
     if text != raw:
-        out.write_text(text)
+        out.write_text(text, encoding="utf-8")
     return ids
+
+
+def earlier_error_ids(out: Path) -> set[str]:
+    """Ids whose record in the output file is an error (a resumed run skips them unless
+    ``retry_errors``)."""
+    if not out.exists():
+        return set()
+    ids = set()
+    for line in out.read_text(encoding="utf-8").split("\n"):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "id" in rec and rec.get("error") is not None:
+            ids.add(str(rec["id"]))
+    return ids
+
+
+class BatchFileError(ValueError):
+    """An input or output file the batch cannot use (found before the engine loads)."""
+
+
+def read_input_lines(in_path: str | Path, out_path: str | Path | None = None) -> list[tuple[int, str]]:
+    """``(line number, text)`` of the input's non-blank lines. Lines end at ``\\n`` only (JSON
+    strings may hold U+2028 and the like raw); UTF-8, a byte-order mark dropped. Raises
+    :class:`BatchFileError` for an input that cannot be read, or an output that is the input or
+    a directory."""
+    in_path = Path(in_path)
+    if out_path is not None:
+        out_path = Path(out_path)
+        if out_path.is_dir():
+            raise BatchFileError(f"{out_path}: the output is a directory")
+        if out_path.exists() and in_path.exists() and out_path.resolve() == in_path.resolve():
+            raise BatchFileError(f"{out_path}: the output is the input file; give another")
+    try:
+        data = in_path.read_bytes()
+    except OSError as e:
+        raise BatchFileError(f"{in_path}: cannot read the input ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BatchFileError(f"{in_path}: not UTF-8 text ({e})") from None
+    return [(i, t.rstrip("\r")) for i, t in enumerate(text.split("\n"), 1) if t.strip()]
 
 
 @dataclass
@@ -275,6 +347,7 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
               check_sfi: Callable[[dict[str, Any]], None]) -> Iterator[Request | dict[str, Any]]:
     """The input lines as :class:`Request` objects, or error records for lines that cannot run."""
     from sfi_vllm.config import SFIConfigError
+    from sfi_vllm.request_config import sfi_entries
 
     seen: set[str] = set()
     for lineno, text in lines:
@@ -293,8 +366,9 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
             continue
         seen.add(rid)
         try:
-            if req.sfi:
-                check_sfi(req.sfi)
+            extra = req.sampling.get("extra_args")
+            if req.sfi or sfi_entries(extra):
+                check_sfi({**(extra if isinstance(extra, dict) else {}), **({"sfi": req.sfi} if req.sfi else {})})
             params = make_params(req)
         except SFIConfigError as e:
             yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
@@ -321,14 +395,14 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     from sfi_vllm.controller import current_controller
 
     in_path, out_path = Path(in_path), Path(out_path)
+    lines = read_input_lines(in_path, out_path)
     skip = done_ids(out_path, retry_errors)
-    lines = [(i, t) for i, t in enumerate(in_path.read_text().splitlines(), 1) if t.strip()]
     # the model's generation_config.json defaults (temperature, top_p, ...), as `vllm serve` uses them
     defaults = dict(llm.model_config.get_diff_sampling_param() or {})
     ctl = current_controller()
 
     def make_params(req: BatchLine) -> Any:
-        kw = {"max_tokens": max_tokens, **defaults, **req.sampling}
+        kw = {**defaults, "max_tokens": max_tokens, **req.sampling}  # --max-tokens over the model's default
         extra = dict(kw.pop("extra_args", None) or {})
         if req.sfi:
             extra["sfi"] = req.sfi
@@ -336,7 +410,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
 
     sfi_engine = _runs_sfi(llm)
 
-    def check_sfi(sfi: dict[str, Any]) -> None:
+    def check_sfi(extra_args: dict[str, Any]) -> None:
         # Where the controller is in this process, a bad request setting is this line's error. With
         # the controller in other processes (several workers), vLLM's front end checks the request
         # when it is submitted (sfi_vllm.patches.request_check) and the line records that error.
@@ -344,10 +418,13 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
             raise SFIConfigError("sfi: this engine runs dense attention; SFI settings need "
                                  "--attention-backend sfi")
         if ctl is not None:
-            ctl.request_config({"sfi": sfi})
+            ctl.request_config(extra_args)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    todo = sum(1 for _ in lines) - len(skip & {_peek_id(t, i) for i, t in lines})
+    ids = [_peek_id(t, i) for i, t in lines]
+    todo = sum(1 for rid in ids if rid not in skip)
+    # the input's ids whose record in the output is an error: skipped, unless retry_errors
+    earlier = 0 if retry_errors else len(set(ids) & earlier_error_ids(out_path))
     with open(out_path, "a") as f:
         def write(rec: dict[str, Any]) -> None:
             rec.pop("token_ids", None)
@@ -357,6 +434,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
         totals = run_requests(llm, _requests(lines, skip, make_params, check_sfi), write, total=todo,
                               max_open=max_open, progress=progress)
     totals["skipped"] = len(lines) - todo
+    totals["earlier_errors"] = earlier
     return totals
 
 

