@@ -119,14 +119,15 @@ SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_accep
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
         probe: bool = False, tp: int = 1, spec: dict | None = None, repeats: int = 1,
-        request_variants: dict[str, dict] | None = None) -> list[dict]:
+        request_variants: dict[str, dict] | None = None, itl: bool = False) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
     pass fills the prefix cache, then per variant (the engine's settings; ``request_variants``:
     per-request settings over them, named; with ``probe`` also the slow-step probe) a warm-up
     decode (:func:`warmup_tokens`) compiles what the decode steps need (Triton kernels, SFI's
     selection graphs for this context), then ``repeats`` times a cached one-token pass (the
     residual) and the timed run; each timed run is a result of its own (``repeat`` 1, 2, ...).
-    CUDA-graph capture sizes: :func:`capture_sizes`."""
+    CUDA-graph capture sizes: :func:`capture_sizes`. With ``itl`` the timed run steps the engine
+    here (:func:`generate_stepped`) and its row gets the inter-token latencies."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -160,22 +161,29 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
             llm.generate(prompts, SamplingParams(max_tokens=warmup_tokens(sfi, over, new_tokens), temperature=0,
                                                  ignore_eos=True, **extra), use_tqdm=False)
             for repeat in range(1, repeats + 1):
-                out.append(_timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat))
+                out.append(_timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat,
+                                  itl))
     return out
 
 
-def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat) -> dict:
-    """One timed run of a point: the cached one-token pass, then ``full``; the result row."""
+def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens, t_fill, repeat,
+           itl: bool = False) -> dict:
+    """One timed run of a point: the cached one-token pass, then ``full``; the result row (with
+    ``itl``: ``full`` through :func:`generate_stepped`, and :func:`itl_stats` of it)."""
     t = time.perf_counter(); llm.generate(prompts, one, use_tqdm=False); t_pre = time.perf_counter() - t
     before = _stats_totals(llm) if sfi is not None else None
     reads0 = _token_reads()
     misses0 = _fused_score_misses()
     graphs0 = _graph_runs()
-    t = time.perf_counter(); llm.generate(prompts, full, use_tqdm=False); t_full = time.perf_counter() - t
+    t = time.perf_counter()
+    arrivals = generate_stepped(llm, prompts, full) if itl else llm.generate(prompts, full, use_tqdm=False)
+    t_full = time.perf_counter() - t
     decode_tok = batch * (new_tokens - 1)
     res = dict(mode=name, batch=batch, context=context, repeat=repeat, prefill_s=round(t_fill, 2),
                cached_first_token_s=round(t_pre, 3), generate_s=round(t_full, 3),
                decode_tok_s=round(decode_tok / max(t_full - t_pre, 1e-6), 1))
+    if itl:
+        res.update(itl_stats(arrivals))
     if sfi is not None:
         after = _stats_totals(llm)
         slow, dec = after[0] - before[0], after[1] - before[1]
@@ -200,6 +208,47 @@ def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens,
                    attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
     print("RESULT " + json.dumps(res), flush=True)
     return res
+
+
+def generate_stepped(llm, prompts: list, params) -> dict[str, list[tuple[float, int]]]:
+    """What ``llm.generate(prompts, params)`` does, stepping the engine here so that each output's
+    arrival is timed: per request, ``(host time, new tokens)`` for every engine step that gave it
+    tokens (a verify step can give several). The outputs are deltas (vLLM's ``DELTA`` kind), so a
+    step costs the host no more than ``generate``'s own loop; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    (the engines here) a step's return is when its tokens are on the host, as a server's streamed
+    chunk would be."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    arrivals: dict[str, list[tuple[float, int]]] = {}
+    stamp = time.monotonic_ns()
+    for i, prompt in enumerate(prompts):
+        p = params.clone()
+        p.output_kind = RequestOutputKind.DELTA
+        engine.add_request(f"timed-{stamp}-{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            n = sum(len(c.token_ids) for c in o.outputs)
+            if n:
+                arrivals.setdefault(o.request_id, []).append((now, n))
+    return arrivals
+
+
+def itl_stats(arrivals: dict[str, list[tuple[float, int]]]) -> dict:
+    """Inter-token latencies of :func:`generate_stepped`'s arrivals, as ``vllm bench serve`` counts
+    them: the gaps between a request's successive outputs after its first (one gap per output,
+    whatever its token count), over every request; ms, with their count."""
+    import numpy as np
+
+    gaps = np.array([b[0] - a[0] for times in arrivals.values() for a, b in zip(times, times[1:])]) * 1e3
+    if gaps.size == 0:
+        return {"itl_count": 0}
+    p50, p90, p99 = np.percentile(gaps, [50, 90, 99])
+    return {"itl_count": int(gaps.size), "itl_p50_ms": round(float(p50), 2), "itl_p90_ms": round(float(p90), 2),
+            "itl_p99_ms": round(float(p99), 2), "itl_max_ms": round(float(gaps.max()), 2),
+            "itl_mean_ms": round(float(gaps.mean()), 2)}
 
 
 def capture_sizes(batches: list[int], spec: dict | None) -> list[int]:
@@ -389,6 +438,9 @@ def main() -> int:
     ap.add_argument("--requests-on-variants", action="store_true",
                     help="run the --request-variant settings on the --variant engines too (figures keyed "
                     "VARIANT_REQUESTVARIANT_*, e.g. kern_stagger_ratio)")
+    ap.add_argument("--itl", action="store_true",
+                    help="step the engine in the timed runs and record each output's arrival: the rows get "
+                    "the inter-token latencies (itl_p50_ms, itl_p99_ms, itl_max_ms, ...; generate_stepped)")
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
@@ -417,7 +469,7 @@ def main() -> int:
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
             probe=args.slow_probe and MODES[args.mode] is not None and spec is None
             and (args.name is None or args.probe_variants),
-            tp=args.tp, spec=spec, repeats=args.repeats, request_variants=request_variants)
+            tp=args.tp, spec=spec, repeats=args.repeats, request_variants=request_variants, itl=args.itl)
         return 0
     variants = {name: {**json.loads(args.sfi or "{}"), **over}
                 for name, over in _named_json(args.variant, "--variant").items()}
@@ -462,7 +514,8 @@ def main() -> int:
                    ["--slow-probe"] if args.slow_probe else []) + (
                    ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)] + (
                    ["--spec", args.spec] if args.spec else []) + ["--repeats", str(args.repeats)] + (
-                   ["--requests-on-variants"] if args.requests_on_variants else []) + [
+                   ["--requests-on-variants"] if args.requests_on_variants else []) + (
+                   ["--itl"] if args.itl else []) + [
                    a for v in (args.request_variant if mode == "sfi" or (mode in variants and args.requests_on_variants)
                                else []) for a in ("--request-variant", v)]
         # the engine's own log (captures, compilations, warnings) beside the results; its results
