@@ -52,6 +52,7 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi-boundary": {"policy": "sfi", "reuse_budget": NO_LIMIT},
     "sfi-reuse-20": {"policy": "sfi", "boundary_trigger": False, "reuse_budget": 20},
     "sfi-stagger": {"policy": "sfi", "reuse_stagger": True},
+    "sfi-lockstep": {"policy": "sfi", "reuse_stagger": False},
     "sfi-dense-slow": {"policy": "sfi", "slow_attention": "dense"},
     "sfi-paper": {"policy": "sfi", "bridge_steps": 0, "reuse_stagger": False, "slow_attention": "dense",
                   "selector": dict(_PAPER_SELECTOR)},
