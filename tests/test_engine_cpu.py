@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from sfi_vllm.trigger import reuse_offset
+
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 48
@@ -138,14 +140,19 @@ def test_small_budget_statistics_match_the_configuration(sfi_small):
         toks = out["token_ids"]
         steps = [e[0] for e in st["slow_events"]]
         assert len(steps) == st["slow_steps"]
-        for prev, (step, context, reason) in zip([None] + steps, st["slow_events"]):
+        assert st["slow_events"][0][2] == "first_decode"
+        # reuse_stagger (the default): the interval after the first selection is shorter by an
+        # offset that follows from the context length at that selection
+        first_interval = cfg["reuse_budget"] - int(reuse_offset([st["slow_events"][0][1]], cfg["reuse_budget"])[0])
+        for i, (step, context, reason) in enumerate(st["slow_events"]):
             assert context == out["prompt_tokens"] + step + 1
-            if prev is None:
+            if i == 0:
                 continue
-            fast_between = step - prev - 1
-            assert fast_between <= cfg["reuse_budget"]
+            fast_between = step - steps[i - 1] - 1
+            budget = first_interval if i == 1 else cfg["reuse_budget"]
+            assert fast_between <= budget
             if reason == "reuse_budget":
-                assert fast_between == cfg["reuse_budget"]
+                assert fast_between == budget
             elif reason == "boundary":
                 assert fast_between >= cfg["min_gap"]
                 # decode step s reads token s (the one sampled before it): it is not whitespace,
