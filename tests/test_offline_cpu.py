@@ -93,6 +93,14 @@ def test_batch_files_are_read_as_json_lines_and_checked_before_the_engine(tmp_pa
                          ((inp, inp), "the output is the input"), ((inp, tmp_path), "the output is a directory")):
         with pytest.raises(BatchFileError, match=needle):
             read_input_lines(*args)
+    # ids key the output and a resumed run: a repeated one stops the command, however it is given
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "prompt": "x"}\n{"custom_id": "b", "body": {"prompt": "y"}}\n'
+                   '{"custom_id": "a", "body": {"prompt": "z"}}\nnot json\n{"id": "line-4", "prompt": "w"}\n'
+                   '{"id": "b", "prompt": "v"}\n')
+    with pytest.raises(BatchFileError, match=r"ids must be unique.*'a' \(lines 1, 3\), 'b' \(lines 2, 6\), "
+                                             r"'line-4' \(lines 4, 5\)"):
+        read_input_lines(dup)
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "error": "bad"}\n{"id": "b", "text": "y"}\n')
     assert earlier_error_ids(out) == {"a"}

@@ -137,7 +137,7 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
         raise LineError(f"line-{lineno}", f"not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise LineError(f"line-{lineno}", "a line must be a JSON object")
-    rid = str(data.get("id") or data.get("custom_id") or f"line-{lineno}")
+    rid = _line_id(data, lineno)
     try:
         fields = _from_openai_batch(data) if "body" in data else data
         req = BatchLine.model_validate(fields)
@@ -202,8 +202,9 @@ class BatchFileError(ValueError):
 def read_input_lines(in_path: str | Path, out_path: str | Path | None = None) -> list[tuple[int, str]]:
     """``(line number, text)`` of the input's non-blank lines. Lines end at ``\\n`` only (JSON
     strings may hold U+2028 and the like raw); UTF-8, a byte-order mark dropped. Raises
-    :class:`BatchFileError` for an input that cannot be read, or an output that is the input or
-    a directory."""
+    :class:`BatchFileError` for an input that cannot be read, an output that is the input or
+    a directory, or ids that more than one line has (the output and a resumed run key every
+    record by its id, as OpenAI's batch API requires a unique ``custom_id``)."""
     in_path = Path(in_path)
     if out_path is not None:
         out_path = Path(out_path)
@@ -219,7 +220,34 @@ def read_input_lines(in_path: str | Path, out_path: str | Path | None = None) ->
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise BatchFileError(f"{in_path}: not UTF-8 text ({e})") from None
-    return [(i, t.rstrip("\r")) for i, t in enumerate(text.split("\n"), 1) if t.strip()]
+    lines = [(i, t.rstrip("\r")) for i, t in enumerate(text.split("\n"), 1) if t.strip()]
+    repeated = {rid: nums for rid, nums in _line_numbers_by_id(lines).items() if len(nums) > 1}
+    if repeated:
+        shown = ", ".join(f"{rid!r} (lines {', '.join(map(str, nums))})" for rid, nums in list(repeated.items())[:5])
+        more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise BatchFileError(f"{in_path}: ids must be unique (each output record is keyed by its id); "
+                             f"given more than once: {shown}{more}")
+    return lines
+
+
+def _line_numbers_by_id(lines: list[tuple[int, str]]) -> dict[str, list[int]]:
+    """Each line's request id as :func:`parse_line` reads it (``id``, else ``custom_id``, else
+    ``line-<n>``), with the numbers of the lines that give it."""
+    out: dict[str, list[int]] = {}
+    for lineno, text in lines:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        out.setdefault(_line_id(data, lineno), []).append(lineno)
+    return out
+
+
+def _line_id(data: Any, lineno: int) -> str:
+    """A line's request id: ``id``, else OpenAI's ``custom_id``, else ``line-<lineno>``."""
+    if not isinstance(data, dict):
+        return f"line-{lineno}"
+    return str(data.get("id") or data.get("custom_id") or f"line-{lineno}")
 
 
 @dataclass
@@ -349,7 +377,6 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
     from sfi_vllm.config import SFIConfigError
     from sfi_vllm.request_config import sfi_entries
 
-    seen: set[str] = set()
     for lineno, text in lines:
         try:
             rid, req = parse_line(text, lineno)
@@ -361,10 +388,6 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
             continue
         if rid in skip:
             continue
-        if rid in seen:
-            yield dict(id=rid, line=lineno, error=f"duplicate id {rid!r} (an earlier line has it)")
-            continue
-        seen.add(rid)
         try:
             extra = req.sampling.get("extra_args")
             if req.sfi or sfi_entries(extra):
