@@ -113,8 +113,8 @@ SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_accep
 # on real generations of the test model (1 per ~18-24 steps). Row j's prompt is j tokens shorter
 # than the point's context, so that with sfi.reuse_stagger on (it derives a reuse phase from the
 # context length) requests of one batch, which start together, take different reuse phases, as
-# requests arriving apart do in serving. The stagger is off by default: then every row of a batch
-# refreshes on the same steps.
+# requests arriving apart do in serving. The stagger is on by default; with it off
+# ('{"reuse_stagger": false}') every row of a batch refreshes on the same steps (lockstep).
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
@@ -213,10 +213,10 @@ def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens,
 def generate_stepped(llm, prompts: list, params) -> dict[str, list[tuple[float, int]]]:
     """What ``llm.generate(prompts, params)`` does, stepping the engine here so that each output's
     arrival is timed: per request, ``(host time, new tokens)`` for every engine step that gave it
-    tokens (a verify step can give several). The outputs are deltas (vLLM's ``DELTA`` kind), so a
-    step costs the host no more than ``generate``'s own loop; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    (the engines here) a step's return is when its tokens are on the host, as a server's streamed
-    chunk would be."""
+    tokens (a verify step can give several). The outputs are deltas (vLLM's ``DELTA`` kind): one
+    small output object per request and step, where ``generate`` builds them only at the end.
+    With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engines here) a step's return is when its
+    tokens are on the host, as a server's streamed chunk would be."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine

@@ -262,10 +262,12 @@ class Policy(_SettingsModel):
         "context length at that selection, so that requests of different lengths that started "
         "together do not all run their budget's slow step on the same decode step (requests of equal "
         "length keep one phase; later intervals are the full budget). On by default: a step in which "
-        "every row of a batch re-selects costs more than a dense step, and spread out no step does; "
-        "on the H200 the ITL p99 of 16 requests at 16K fell from 19.2 to 13.0 ms (dense's 13.0-13.1) "
-        "at the same throughput within the runs' spread (benchmarks/results/e2e-h200-itl.md); "
-        "false: requests that start together refresh together",
+        "every row of a batch re-selects costs more than a dense step, while one that re-selects a "
+        "single row costs about half of one. On the H200, 16 requests at 16K that started together: "
+        "ITL p99 13.0 ms against 19.2 in lockstep (dense's 13.0-13.1), p90 6.3 against 5.2 (a "
+        "quarter of the steps then re-select one row), throughput 0-2% lower "
+        "(benchmarks/results/e2e-h200-itl.md). A request's first selection still falls on the same "
+        "step for rows that start together. false: requests that start together refresh together",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
                          description="min fast steps between slow steps (at most reuse_budget: a request that sets "

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from sfi_vllm.config import SFIConfig
 from sfi_vllm.trigger import reuse_offset
 
 pytestmark = pytest.mark.engine
@@ -133,8 +134,10 @@ def test_sfi_really_runs_with_a_small_budget(sfi_small):
 
 def test_small_budget_statistics_match_the_configuration(sfi_small):
     cfg = SMALL_BUDGET
+    assert SFIConfig().reuse_stagger  # the default, which these engines run
     enders, skips = set(sfi_small["boundary_enders"]), set(sfi_small["boundary_skips"])
     assert enders
+    shortened = 0  # first intervals that the budget ended, shorter than the budget
     for out in sfi_small["outputs"]:
         st = _stats(sfi_small, out)
         toks = out["token_ids"]
@@ -153,6 +156,7 @@ def test_small_budget_statistics_match_the_configuration(sfi_small):
             assert fast_between <= budget
             if reason == "reuse_budget":
                 assert fast_between == budget
+                shortened += i == 1 and budget < cfg["reuse_budget"]
             elif reason == "boundary":
                 assert fast_between >= cfg["min_gap"]
                 # decode step s reads token s (the one sampled before it): it is not whitespace,
@@ -168,6 +172,7 @@ def test_small_budget_statistics_match_the_configuration(sfi_small):
         bound = cfg["sinks"] + cfg["selected_tokens"] + cfg["recent_window"] + 16 + cfg["reuse_budget"]
         assert 0 < st["mean_attended_per_fast_step"] <= bound
         assert st["attended_fraction"] < 0.5
+    assert shortened, "no request's first budget interval was shortened: the stagger was not exercised"
 
 
 def test_tensor_parallel_workers_match_one_worker(sfi_no_exclusivity, sfi_tensor_parallel):

@@ -93,6 +93,13 @@ def test_batch_files_are_read_as_json_lines_and_checked_before_the_engine(tmp_pa
                          ((inp, inp), "the output is the input"), ((inp, tmp_path), "the output is a directory")):
         with pytest.raises(BatchFileError, match=needle):
             read_input_lines(*args)
+    # JSON that Python's parser refuses with other errors than JSONDecodeError is an error of its line
+    for text in ('[' * 100_000 + ']' * 100_000, '{"id": "a", "prompt": "x", "n": ' + '9' * 5000 + '}'):
+        with pytest.raises(LineError, match="not valid JSON"):
+            parse_line(text, 7)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('[' * 100_000 + ']' * 100_000 + '\n{"id": "b", "prompt": "x"}\n')
+    assert [n for n, _ in read_input_lines(deep)] == [1, 2]
     # ids key the output and a resumed run: a repeated one stops the command, however it is given
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"id": "a", "prompt": "x"}\n{"custom_id": "b", "body": {"prompt": "y"}}\n'

@@ -133,7 +133,7 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
     without an id gets ``line-<lineno>``). Raises :class:`LineError` with the id it could read."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and numbers or nesting past the parser's limits
         raise LineError(f"line-{lineno}", f"not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise LineError(f"line-{lineno}", "a line must be a JSON object")
@@ -237,17 +237,20 @@ def _line_numbers_by_id(lines: list[tuple[int, str]]) -> dict[str, list[int]]:
     for lineno, text in lines:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # the line's error comes later (parse_line)
             data = None
         out.setdefault(_line_id(data, lineno), []).append(lineno)
     return out
 
 
 def _line_id(data: Any, lineno: int) -> str:
-    """A line's request id: ``id``, else OpenAI's ``custom_id``, else ``line-<lineno>``."""
-    if not isinstance(data, dict):
-        return f"line-{lineno}"
-    return str(data.get("id") or data.get("custom_id") or f"line-{lineno}")
+    """A line's request id, as text: ``id``, else OpenAI's ``custom_id``, else ``line-<lineno>``
+    (a key that is missing, null or the empty string gives no id; ``0`` and ``false`` do)."""
+    if isinstance(data, dict):
+        for key in ("id", "custom_id"):
+            if data.get(key) is not None and data[key] != "":
+                return str(data[key])
+    return f"line-{lineno}"
 
 
 @dataclass

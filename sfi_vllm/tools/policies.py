@@ -18,7 +18,9 @@ None: only the policy's own settings).
   ``SFIConfig``) and its ablations: ``sfi-no-bridge``, ``sfi-no-follow``, ``sfi-nms`` (page-level
   soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-interval`` (reuse budget only, no
   boundaries), ``sfi-boundary`` (boundaries only), ``sfi-dense-slow`` (slow steps attend densely, as
-  the paper's do: ``slow_attention: dense``; the default's attend through the set they have).
+  the paper's do: ``slow_attention: dense``; the default's attend through the set they have),
+  ``sfi-lockstep`` (``reuse_stagger`` off: requests that start together re-select together;
+  ``sfi-stagger`` names the default's setting explicitly).
 * ``sfi-paper``: the paper's Selector as published: token by token, soft-NMS, no bridge, no
   following pages, no reuse stagger, dense slow steps (the evidence normalised per query row over
   the candidates, and the lambda clip for several query rows under GQA, as the authors do);
