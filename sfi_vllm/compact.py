@@ -153,7 +153,8 @@ class PackedCompactBuffer:
     """
 
     def __init__(self, num_slots: int, num_kv_heads: int, capacity: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str, double_buffer: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, double_buffer: bool = False,
+                 slot_map_dev: torch.Tensor | None = None) -> None:
         self.sets_per_slot = 2 if double_buffer else 1
         physical = num_slots * self.sets_per_slot
         shape = (physical, num_kv_heads, capacity, head_size)
@@ -163,7 +164,17 @@ class PackedCompactBuffer:
         self.length_dev = torch.zeros(physical, dtype=torch.int32, device=device)
         self.window_start_dev = torch.zeros(physical, dtype=torch.int32, device=device)
         self.slot_map = [s * self.sets_per_slot for s in range(num_slots)]  # published set (host)
-        self.slot_map_dev = torch.tensor(self.slot_map, dtype=torch.int32).to(device)
+        # slot_map_dev: a view given by the caller (a row of every layer's maps in one tensor, so
+        # that one launch updates them all: CudaExecutor.live_maps), or a tensor of its own
+        initial = torch.tensor(self.slot_map, dtype=torch.int32)
+        if slot_map_dev is None:
+            self.slot_map_dev = initial.to(device)
+        else:
+            if slot_map_dev.shape != (num_slots,) or slot_map_dev.dtype != torch.int32:
+                raise ValueError(f"slot_map_dev must be ({num_slots},) int32, not {tuple(slot_map_dev.shape)} "
+                                 f"{slot_map_dev.dtype}")
+            self.slot_map_dev = slot_map_dev
+            self.slot_map_dev.copy_(initial)
         self.length = [0] * num_slots  # sinks + selected of the published set (host mirror)
         self.window_start = [0] * num_slots
         self.generation = [-1] * num_slots

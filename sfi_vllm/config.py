@@ -398,6 +398,18 @@ class EngineSettings(_SettingsModel):
         description="GPU kernel path: run the slow step's selection and repack on a second CUDA "
         "stream (overlapped with the next layers; compact sets double-buffered, twice the memory)",
     )
+    refresh_overlap: bool | None = Field(
+        None,
+        description="GPU kernel path, lossy mode: the next step decodes while a slow step's per-step "
+        "refresh (selection and repack on the second stream) is still running, instead of waiting "
+        "for it. A row re-selected on one step then attends through its previous compact set for "
+        "one more step and through the new set from the step after that. The next step still waits "
+        "when it cannot run beside the refresh: a step that runs eagerly (prefill chunks, per-layer "
+        "refreshes), one whose own slow rows have their scores written by the fast-step kernel, or "
+        "a refresh that makes some row's first selection (such a row has no earlier set to read). "
+        "Unset (default): on wherever it applies (side_stream on, mode lossy); true: the same, and "
+        "an error where it cannot apply; false: every step waits for the refresh before it",
+    )
     slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
         "auto",
         description="GPU kernel path: a slow step re-selects each layer right after its "
@@ -478,6 +490,9 @@ class SFIConfig(EngineSettings, Policy):
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and no layer_interleaved_refresh")
+        if self.refresh_overlap is True and (not self.side_stream or self.mode != "lossy"):
+            raise ValueError("refresh_overlap needs side_stream on and mode lossy (a lossless drafter's "
+                             "next pass reads the selection its first pass makes)")
         if self.fused_scores_tokens != "auto" and self.fused_scores_tokens > 0 and (
                 self.kernels == "torch" or not self.graph_slow_enabled):
             raise ValueError("fused_scores_tokens needs slow steps inside full CUDA graphs: kernels "
@@ -507,6 +522,11 @@ class SFIConfig(EngineSettings, Policy):
         budget = min(FUSED_AUTO_BYTES, int(FUSED_AUTO_FRACTION * device_bytes))
         frame = -(-max_model_len // frame_bucket) * frame_bucket
         return min(budget // per_token, max_num_seqs * frame)
+
+    @property
+    def overlap_enabled(self) -> bool:
+        """Whether the next step may run beside a per-step refresh (``refresh_overlap`` resolved)."""
+        return self.refresh_overlap is not False and self.side_stream and self.mode == "lossy"
 
     @property
     def graph_slow_enabled(self) -> bool:

@@ -146,6 +146,7 @@ def test_speed_preset_is_the_measured_benchmark_setting():
 
 
 ENGINE_FIELDS = ("mode", "newline_is_boundary", "boundary_token_ids", "boundary_read", "kernels", "side_stream",
+                 "refresh_overlap",
                  "slow_refresh", "slow_in_graph", "fused_scores_tokens", "drafter_graphs", "drafter_kv", "experimental", "compact_memory_gib",
                  "stats_file")
 

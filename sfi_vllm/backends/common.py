@@ -564,9 +564,9 @@ class SFIBuilderMixin:
                graph_rows: int | None = None):
         from dataclasses import fields
 
-        # the previous step's refresh work (second stream) before this step's kernels
+        # the previous steps' refresh work (second stream) this step must see, before its kernels
         if self.controller.executor is not None:
-            self.controller.executor.join_refresh()
+            self.controller.executor.join_refresh(plan, self.controller.planned_steps)
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})

@@ -248,9 +248,22 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             "sfi-vllm: compact buffers take 2 (K, V) x %d sets x %d seqs x %d kv heads x %d tokens x %d x "
             "%d bytes = %.1f MiB per layer", sets, slots, num_kv_heads, capacity, head_size,
             torch.empty((), dtype=dtype).element_size(), nbytes / 2**20)
-        return PackedCompactBuffer(slots, num_kv_heads, capacity, head_size, dtype,
-                                   torch.device("cuda", torch.cuda.current_device()),
-                                   double_buffer=cfg.side_stream)
+        device = torch.device("cuda", torch.cuda.current_device())
+        return PackedCompactBuffer(slots, num_kv_heads, capacity, head_size, dtype, device,
+                                   double_buffer=cfg.side_stream,
+                                   slot_map_dev=self._live_map(vllm_config, executor, slots, device))
+
+    def _live_map(self, vllm_config, executor, slots: int, device) -> torch.Tensor | None:
+        """``sfi.refresh_overlap``: this layer's row of every layer's slot maps in one tensor, so
+        that a commit updates them all in one launch (None: the buffer keeps a map of its own)."""
+        if not executor.overlap:
+            return None
+        layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+        index = len(self.sfi_controller.buffers)  # the index this layer registers under
+        if executor.live_maps is None:
+            executor.live_maps = torch.zeros(layers, slots, dtype=torch.int32, device=device)
+        maps = executor.live_maps
+        return maps[index] if index < maps.shape[0] and maps.shape[1] == slots else None
 
     def _query_stage(self, vllm_config, num_heads: int, head_size: int) -> torch.Tensor | None:
         from sfi_vllm.config import config_from_vllm
@@ -260,9 +273,18 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             return None
         rows = max_uniform_rows(vllm_config)
         dtype = vllm_config.model_config.dtype
-        stage = torch.empty(rows, num_heads, head_size, dtype=dtype,
-                            device=torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
         executor = executor_for(self.sfi_controller)
+        stage = None
+        if executor.overlap:  # every layer's stage in one tensor: a flush copies its rows in one launch
+            layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+            if executor.stages is None:
+                executor.stages = torch.empty(layers, rows, num_heads, head_size, dtype=dtype, device=device)
+            index = self.sfi.index
+            if index < executor.stages.shape[0] and executor.stages.shape[1:] == (rows, num_heads, head_size):
+                stage = executor.stages[index]
+        if stage is None:
+            stage = torch.empty(rows, num_heads, head_size, dtype=dtype, device=device)
         executor.graph_slow_ready = True
         logger.info_once("sfi-vllm: slow_in_graph query stage %d rows x %d heads x %d = %.1f MiB per layer",
                          rows, num_heads, head_size, stage.numel() * stage.element_size() / 2**20)

@@ -10,6 +10,15 @@ builds its first layer on the Triton kernels (:func:`executor_for`, from its com
 * the uniform fast path's workspace, the fused slow-step score buffers and whether the layers
   stage their queries (``slow_in_graph``).
 
+**Overlap** (``sfi.refresh_overlap``, :meth:`join_refresh`): a per-step refresh does not publish
+its sets itself. Its repacks write the spare sets, and the slot maps the fast-step kernel reads
+are updated by a *commit* on the main stream at the start of a later step, after that step has
+waited for the refresh. A step waits only for the refreshes enqueued before the previous step
+ended, so the previous step's refresh runs beside it, and the rows it re-selected read their
+previous sets for that one step. What the refresh reads that the next step overwrites (the
+layers' query stages) it copies first, and the next step waits for that copy only. A step waits
+for every refresh when it cannot run beside one (see :meth:`join_refresh`).
+
 The controller makes the host-side :class:`~sfi_vllm.controller.StepPlan`; :meth:`plan` adds
 what only this path decides (slow rows inside the step's CUDA graph, their score frames), the
 metadata builder and the layers run the step, and :meth:`finish` ends it (the staged per-step
@@ -22,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +45,20 @@ logger = logging.getLogger(__name__)
 
 # refresh timings waiting for their events (bounded: a GPU that never finishes them would stall long before)
 MAX_PENDING_TIMINGS = 4096
+
+
+@dataclass
+class Commit:
+    """The slot-map writes that publish one flush's sets (``sfi.refresh_overlap``): for each layer
+    ``maps[layer][slots] = targets[layer]``, applied on the main stream once it has waited for
+    ``done`` (recorded on the refresh stream after the flush's repacks; None inline)."""
+    step: int  # the controller's planned_steps when the flush ran (the step whose end flushed it)
+    layers: list  # PackedCompactBuffer per layer, in the order of targets' rows
+    slots: torch.Tensor  # (R,) int64, on the device
+    targets: torch.Tensor  # (layers, R) int32, on the device
+    first: bool  # some row had no set of its generation: it may not read the slot before this lands
+    done: object = None  # torch.cuda.Event
+    copied: object = None  # torch.cuda.Event after the flush copied the query stages it reads
 
 
 class CudaExecutor:
@@ -56,6 +80,17 @@ class CudaExecutor:
         self.refresh_pending = False  # work on the refresh stream not yet joined
         self._refresh_stream = None
         self._graph_slow: tuple | None = None  # (plan, block table) of a uniform step with slow rows
+        # sfi.refresh_overlap: flushes whose sets are not published yet, oldest first; a
+        # per-layer refresh (which publishes itself) since the last full join; and the tensors
+        # every layer's query stage and slot map are views of, when the impl allocated them so
+        # (one launch then copies or updates all layers; None: one per layer)
+        self.overlap = cfg.overlap_enabled and cfg.kernels != "torch"
+        self.commits: deque[Commit] = deque()
+        self.direct_pending = False
+        self.stages: torch.Tensor | None = None  # (layers, rows, Hq, D)
+        self.live_maps: torch.Tensor | None = None  # (layers, slots) int32
+        # the controller's planned_steps (set by executor_for): the step a flush belongs to
+        self.step_of_flush = lambda: 0
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, plan, slow: list[int]) -> None:
@@ -117,20 +152,52 @@ class CudaExecutor:
 
     def fork_refresh(self, device: torch.device):
         """Order the refresh stream after everything enqueued so far on the current stream (this
-        layer's KV-cache writes and dense attention) and return it (None: run inline)."""
+        layer's KV-cache writes and dense attention) and return it (None: run inline). For the
+        per-layer refresh, which publishes its sets itself: the next step waits for all of it."""
         side = self.refresh_stream(device)
+        self.direct_pending = True
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
             self.refresh_pending = True
         return side
 
-    def join_refresh(self) -> None:
-        """Make the current stream wait for all refresh work enqueued so far. Called by the metadata
-        builder at the start of every step, before any of the step's kernels is enqueued, so the
-        step's fast rows (eager or replayed from a full CUDA graph) read published sets only."""
+    def join_refresh(self, plan=None, step: int | None = None) -> None:
+        """Order the step about to be built after the refresh work it must see. Called by the
+        metadata builder at the start of every step, before any of the step's kernels is enqueued,
+        so the step's fast rows (eager or replayed from a full CUDA graph) read complete sets only.
+
+        Without overlap, or for a step that cannot run beside a refresh, the current stream waits
+        for all refresh work and every pending commit is applied. With ``sfi.refresh_overlap``,
+        for ``plan`` (planned as the controller's step ``step``): commits of flushes before the
+        previous step's end are applied after their refreshes; the previous step's flush keeps
+        running, and the step waits only for its copy of the query stages. It waits for everything
+        when ``plan`` is None (warm-up, capture), runs eagerly, has slow rows whose scores the
+        fast-step kernel writes (the frames the running refresh may read), when a per-layer
+        refresh ran since, or when the pending flush makes some row's first selection."""
+        if (not self.overlap or plan is None or step is None or plan.needs_eager or self.direct_pending
+                or _writes_score_frames(plan) or any(c.first for c in self.commits)):
+            self._join_all()
+            return
+        while self.commits and self.commits[0].step < step - 1:
+            commit = self.commits.popleft()
+            if commit.done is not None:
+                torch.cuda.current_stream(self._refresh_stream.device).wait_event(commit.done)
+            apply_commit(commit, self.live_maps)
+        for commit in self.commits:  # the previous step's flush: only its copy of the stages
+            if commit.copied is not None:
+                torch.cuda.current_stream(self._refresh_stream.device).wait_event(commit.copied)
+
+    def _join_all(self) -> None:
         if self.refresh_pending:
             torch.cuda.current_stream(self._refresh_stream.device).wait_stream(self._refresh_stream)
             self.refresh_pending = False
+        while self.commits:
+            apply_commit(self.commits.popleft(), self.live_maps)
+        self.direct_pending = False
+
+    def defer_commit(self, commit: Commit) -> None:
+        """A flush's publication, applied by a later :meth:`join_refresh`."""
+        self.commits.append(commit)
 
     # -- timing the refresh ------------------------------------------------------------------------
     @contextmanager
@@ -176,8 +243,28 @@ class CudaExecutor:
         self.collect_timings()
 
 
+def _writes_score_frames(plan) -> bool:
+    """Whether a uniform step's fast-step kernel writes fused score frames (slow rows attending
+    densely, or keys-only rows scored in the kernel)."""
+    layout = getattr(plan, "score_layout", None) or {}
+    return bool(plan.graph_slow) and any(frame.in_kernel for frame in layout.values())
+
+
+def apply_commit(commit: Commit, live_maps: torch.Tensor | None) -> None:
+    """``maps[layer][slots] = targets[layer]`` for the commit's layers, on the current stream: one
+    launch when the layers are every row of ``live_maps`` in order, else one per layer."""
+    bufs = commit.layers
+    if live_maps is not None and len(bufs) == live_maps.shape[0] and all(
+            b.slot_map_dev.data_ptr() == live_maps[i].data_ptr() for i, b in enumerate(bufs)):
+        live_maps[:, commit.slots] = commit.targets
+        return
+    for buf, targets in zip(bufs, commit.targets):
+        buf.slot_map_dev[commit.slots] = targets
+
+
 def executor_for(controller) -> CudaExecutor:
     """The controller's kernel-path executor, created on first use."""
     if controller.executor is None:
         controller.executor = CudaExecutor(controller.cfg, controller.stats.observe_selection)
+        controller.executor.step_of_flush = lambda: controller.planned_steps
     return controller.executor

@@ -60,7 +60,7 @@ from sfi_vllm.backends.selection import (
     log_capture,
     top_k_function,
 )
-from sfi_vllm.host_copy import copy_to_device
+from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.selector import select_batched_static
 
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
@@ -214,6 +214,10 @@ class _Job:
     scored_in_kernel: bool = True
     layers: list = field(default_factory=list)  # SFILayer, in record order
     kv: list = field(default_factory=list)  # (key_cache, value_cache) per recorded layer
+    # sfi.refresh_overlap, slow_in_graph rows scored by the refresh: the rows' indices in the
+    # layers' stages (on the device), copied into ``stage`` when the flush starts (the next step,
+    # which may run beside the refresh, rewrites the layers' stages)
+    snapshot_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -242,6 +246,7 @@ class StepRefresh:
         self._stages: dict[tuple, torch.Tensor] = {}
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._scratch: torch.Tensor | None = None  # logits + norms, shared by every entry
+        self._discard: torch.Tensor | None = None  # discard_map
         self._uses = SlowStepSelection(capture_after=capture_after)  # its use counter
         self._event = None
         self.captures = 0
@@ -301,12 +306,14 @@ class StepRefresh:
                        or [l.index for l in layers] != list(range(len(layers)))):
             raise RuntimeError("sfi-vllm: fused scores planned for layers the buffers do not hold; this is a bug")
         dev = block_table.device
+        snapshots = 0
         for key, rows in graph_slow_groups(plan).items():
             sel, sinks, _ = key
             frame = layout.get(key)
             rows_dev = tensor_to_device(rows, dev)
             ctx = [plan.context[r] for r in rows]
-            self._pending[("graph", *key, tuple(rows))] = _Job(
+            in_kernel = frame is not None and frame.in_kernel
+            job = self._pending[("graph", *key, tuple(rows))] = _Job(
                 rows=tuple(rows), cfg=plan.configs[rows[0]], sinks=sinks, ctx=ctx,
                 ws=[plan.geometry[r].window_start for r in rows],
                 k=[plan.geometry[r].selected for r in rows],
@@ -315,14 +322,24 @@ class StepRefresh:
                 layers=layers, kv=[l.kv for l in layers],
                 scores=None if frame is None else buffers.views(frame.offset, len(rows), frame.width),
                 score_offset=None if frame is None else frame.offset,
-                scored_in_kernel=frame is not None and frame.in_kernel)
+                scored_in_kernel=in_kernel)
+            if executor.overlap and not in_kernel:  # the refresh reads the queries: its own copy
+                stage0 = layers[0].stage
+                skey = ("snapshot", len(rows), snapshots, len(layers), *stage0.shape[1:], stage0.dtype, stage0.device)
+                snapshots += 1
+                snap = self._stages.get(skey)
+                if snap is None:
+                    snap = self._stages[skey] = torch.empty(len(layers), len(rows), *stage0.shape[1:],
+                                                            dtype=stage0.dtype, device=stage0.device)
+                job.stage, job.rows_idx, job.snapshot_rows = snap, None, rows_dev
         if dev.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event()
             self._event.record()  # after the step's last layer
 
     def flush(self, executor) -> None:
-        """Run every staged layer's selection and repack, and publish the new sets."""
+        """Run every staged layer's selection and repack, and publish the new sets (with
+        ``sfi.refresh_overlap``: defer their publication to a commit, :class:`CudaExecutor`)."""
         if not self._pending:
             return
         jobs = list(self._pending.values())
@@ -330,19 +347,59 @@ class StepRefresh:
         dev = jobs[0].bt.device
         side = executor.refresh_stream(dev)
         layers = len(jobs[0].layers)
+        deferred = executor.overlap
+        copied = done = None
         if side is None:
             with executor.timed(dev, layers):
+                self._copy_stages(executor, jobs)
+                published = [self._run(job, deferred) for job in jobs]
+        else:
+            side.wait_event(self._event)
+            executor.refresh_pending = True
+            with torch.cuda.stream(side), executor.timed(dev, layers):
                 for job in jobs:
-                    self._run(job)
-            return
-        side.wait_event(self._event)
-        executor.refresh_pending = True
-        with torch.cuda.stream(side), executor.timed(dev, layers):
-            for job in jobs:
-                job.bt.record_stream(side)  # the step's tensor, made on the main stream
-                self._run(job)
+                    job.bt.record_stream(side)  # the step's tensors, made on the main stream
+                    if job.snapshot_rows is not None:
+                        job.snapshot_rows.record_stream(side)
+                if self._copy_stages(executor, jobs):
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+                published = [self._run(job, deferred) for job in jobs]
+                if deferred:
+                    done = torch.cuda.Event()
+                    done.record(side)
+        if deferred:  # on the main stream, which applies them
+            from sfi_vllm.backends.cuda_executor import Commit
 
-    def _run(self, job: _Job) -> None:
+            step = executor.step_of_flush()
+            for job, (targets, first) in zip(jobs, published):
+                executor.defer_commit(Commit(
+                    step=step, layers=[l.packed for l in job.layers], slots=tensor_to_device(job.slots, dev),
+                    targets=to_device(torch.tensor(targets, dtype=torch.int32), dev), first=first,
+                    done=done, copied=copied))
+
+    @staticmethod
+    def _copy_stages(executor, jobs: list[_Job]) -> bool:
+        """The snapshot jobs' queries from the layers' stages into their own (one launch when the
+        layers' stages are views of the executor's ``stages``); whether there were any."""
+        any_copied = False
+        for job in jobs:
+            if job.snapshot_rows is None:
+                continue
+            any_copied = True
+            stages = executor.stages
+            if stages is not None and len(job.layers) == stages.shape[0] and all(
+                    l.stage.data_ptr() == stages[i].data_ptr() for i, l in enumerate(job.layers)):
+                torch.index_select(stages, 1, job.snapshot_rows, out=job.stage)
+            else:
+                for i, layer in enumerate(job.layers):
+                    torch.index_select(layer.stage, 0, job.snapshot_rows, out=job.stage[i])
+        return any_copied
+
+    def _run(self, job: _Job, deferred: bool = False) -> tuple[list[list[int]], bool]:
+        """One job's selection and repack; returns the sets it wrote per layer and slot, and
+        whether some slot had no set of its generation before. ``deferred``: the repacks do not
+        publish the sets in the slot maps the fast-step kernel reads (the caller commits them)."""
         layers = job.layers
         layer0 = layers[0]
         R, hq = len(job.rows), layer0.num_heads
@@ -361,7 +418,7 @@ class StepRefresh:
         if job.scores is not None:
             assert job.scores[0].shape[1:] == (R, hkv, g, width), "fused score frames"
         key = (R, tuple(l.index for l in layers), source, job.bt.shape[1], width, kmax, sinks,
-               job.cfg.selector, chunk, hkv, g, dev)
+               job.cfg.selector, chunk, hkv, g, dev, deferred)
         pointers = tuple(kc.data_ptr() for kc, _ in job.kv) + tuple(l.packed.keys.data_ptr() for l in layers)
         entry = self._entries.get(key)
         if entry is not None and entry.pointers != pointers:
@@ -389,6 +446,8 @@ class StepRefresh:
         # this step's inputs, into the entry's static tensors
         entry.bt.copy_(job.bt)
         targets = [[l.packed.target(s) for s in job.slots] for l in layers]
+        first = not all(layer0.packed.valid(s, gen) for s, gen in zip(job.slots, job.generations))
+        discard = self.discard_map(layer0.packed) if deferred else None
         counts = [sinks + kk for kk in job.k]
         meta = torch.tensor([[t, counts, job.ws, job.slots] for t in targets], dtype=torch.int32)
         copy_to_device(entry.meta, meta)
@@ -433,7 +492,8 @@ class StepRefresh:
                     buf = layers[li].packed
                     kc, vc = job.kv[li]
                     repack_selected(kc, vc, entry.bt, sel[i], sinks, entry.meta[li], buf.keys, buf.values,
-                                    buf.length_dev, buf.window_start_dev, buf.slot_map_dev)
+                                    buf.length_dev, buf.window_start_dev,
+                                    buf.slot_map_dev if discard is None else discard)
 
         if dev.type != "cuda":
             body()
@@ -454,6 +514,16 @@ class StepRefresh:
             self.eager_runs += 1
         for layer, t in zip(layers, targets):
             layer.packed.publish_host(job.slots, job.generations, t, counts, job.ws)
+        return targets, first
+
+    def discard_map(self, buf) -> torch.Tensor:
+        """Where a deferred repack's slot-map write goes: a map of the same shape that nothing reads
+        (the physical set's length and window start it writes belong to the spare set, which no
+        step reads before the commit)."""
+        m = self._discard
+        if m is None or m.shape != buf.slot_map_dev.shape or m.device != buf.slot_map_dev.device:
+            m = self._discard = torch.zeros_like(buf.slot_map_dev)
+        return m
 
     def scratch(self, numel: int, device) -> torch.Tensor:
         """The shared logits + norms scratch, at least ``numel`` float32 on ``device``. A larger
