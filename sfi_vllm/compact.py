@@ -150,6 +150,10 @@ class PackedCompactBuffer:
     new set, each complete, never one being written. Each physical set's length and window start
     live on the device (``length_dev``, ``window_start_dev``: read by the kernel, also inside CUDA
     graphs); the published set's are mirrored on the host per logical slot (checks, statistics).
+    With ``sfi.refresh_overlap`` a per-step refresh writes the spare set without publishing it, and
+    a commit on the main stream updates ``slot_map_dev`` at a later step's start
+    (:class:`sfi_vllm.backends.cuda_executor.Commit`); the host mirrors then run one step ahead of
+    the device for the re-selected rows.
     """
 
     def __init__(self, num_slots: int, num_kv_heads: int, capacity: int, head_size: int,

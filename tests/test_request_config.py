@@ -307,7 +307,7 @@ def test_merging_a_policy_over_an_engine_equals_building_the_union(engine, reque
 
 # a value other than the default for every EngineSettings field
 OTHER_ENGINE_VALUES = {"mode": "lossless", "newline_is_boundary": False, "boundary_token_ids": [1, 2],
-                       "boundary_read": "exact", "kernels": "torch", "side_stream": False, "refresh_overlap": False,
+                       "boundary_read": "exact", "kernels": "torch", "side_stream": False, "refresh_overlap": True,
                        "slow_refresh": "per_layer", "slow_in_graph": False, "fused_scores_tokens": 0, "drafter_graphs": False, "drafter_kv": "own",
                        "experimental": {"selector_top_k": "triton"}, "compact_memory_gib": 1.0,
                        "stats_file": "/tmp/s.jsonl"}

@@ -23,7 +23,10 @@ time. A group of rows any of whose rows needs no scoring (its candidates all fit
 per-layer path. Fast steps of the next step read the new sets because the metadata builder joins
 the refresh stream first, as with the per-layer path. What is lost: the per-layer path overlaps
 the selection with the next layers' work; here it overlaps only with the step's tail (final norm,
-logits, sampling) and the next step's host preparation.
+logits, sampling) and the next step's host preparation, unless ``sfi.refresh_overlap`` lets the
+next step run beside it (the re-selected rows then read their previous sets for that step; the
+refresh first copies the query stages that step rewrites, and its sets are published by a commit
+at a later step's start: :class:`sfi_vllm.backends.cuda_executor.CudaExecutor`).
 
 **Fused scores** (``sfi.fused_scores_tokens``, on by default; uniform steps with slow rows only): the
 fast-step kernel also writes the slow rows' logits and key norms into :class:`FusedScoreBuffers`,

@@ -176,11 +176,11 @@ def test_steps_that_cannot_run_beside_a_refresh_wait_for_all_of_it():
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import plan_for
 
-    cfg = build_config({"boundary_token_ids": [7]}, use_env=False)
+    cfg = build_config({"boundary_token_ids": [7], "refresh_overlap": True}, use_env=False)
     ex = CudaExecutor(cfg)
-    assert ex.overlap  # on by default on the kernel path
-    assert not CudaExecutor(build_config({"refresh_overlap": False}, use_env=False)).overlap
-    assert not CudaExecutor(build_config({"kernels": "torch"}, use_env=False)).overlap
+    assert ex.overlap
+    assert not CudaExecutor(build_config({}, use_env=False)).overlap  # off by default
+    assert not CudaExecutor(build_config({"refresh_overlap": True, "kernels": "torch"}, use_env=False)).overlap
     buf = PackedCompactBuffer(4, 1, 8, 4, torch.float32, "cpu", double_buffer=True)
 
     def commit(step, slot, target, first=False):
@@ -225,9 +225,8 @@ def test_steps_that_cannot_run_beside_a_refresh_wait_for_all_of_it():
 def test_refresh_overlap_settings():
     from sfi_vllm.config import build_config
 
-    assert build_config({}, use_env=False).overlap_enabled
-    assert not build_config({"side_stream": False}, use_env=False).overlap_enabled
-    assert not build_config({"mode": "lossless"}, use_env=False).overlap_enabled
+    assert not build_config({}, use_env=False).overlap_enabled
+    assert build_config({"refresh_overlap": True}, use_env=False).overlap_enabled
     for bad in ({"refresh_overlap": True, "side_stream": False}, {"refresh_overlap": True, "mode": "lossless"}):
         with pytest.raises(ValueError, match="refresh_overlap needs side_stream on and mode lossy"):
             build_config(bad, use_env=False)
