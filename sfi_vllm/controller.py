@@ -296,7 +296,9 @@ class SFIController:
                                                               packed and cfg.side_stream)
         return pool
 
-    def _slot(self, req_id: str, extra_args: dict | None = None) -> int:
+    def _slot(self, req_id: str, extra_args: dict | None = None, phase: int = 0) -> int:
+        """The slot of ``req_id``, assigned at its first step (``phase``: its prompt's reuse phase
+        key, :func:`sfi_vllm.trigger.prompt_phase`, read only then)."""
         slot = self.slot_of.get(req_id)
         if slot is None:
             if not (self.free_compact or self.free_plain):
@@ -326,7 +328,7 @@ class SFIController:
                 slot = (self.free_plain or self.free_compact).pop()
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
-            self.trigger.configure(slot, cfg)
+            self.trigger.configure(slot, cfg, phase)
             self.stats.get(req_id).policy = cfg.policy
             self._reset(slot)
         return slot
@@ -366,6 +368,7 @@ class SFIController:
         request_extra_args: list[dict | None] | None = None,
         spec_tokens: list[int] | None = None,
         request_tokens: list[int] | None = None,
+        prompt_phases: list[int] | None = None,
     ) -> StepPlan:
         """Classify each row, run the trigger for decode rows and record statistics.
 
@@ -375,10 +378,13 @@ class SFIController:
         (``sfi.mode lossless``): ``spec_tokens[i]``, the drafted tokens row i verifies this step,
         and ``request_tokens[i]``, the request's prompt and output tokens so far (the step samples
         for the row when it computes them all).
+        ``prompt_phases[i]``: row i's prompt's reuse phase key
+        (:func:`sfi_vllm.trigger.prompt_phase`), read when the request first appears (None: 0).
         """
         n = len(req_ids)
         extra_args = request_extra_args or [None] * n
-        slots = [self._slot(r, x) for r, x in zip(req_ids, extra_args)]
+        phases = prompt_phases or [0] * n
+        slots = [self._slot(r, x, p) for r, x, p in zip(req_ids, extra_args, phases)]
         if self.lossless:
             return self._plan_verify(req_ids, slots, num_scheduled, num_computed, prompt_lens, spec_tokens,
                                      request_tokens)
@@ -402,6 +408,8 @@ class SFIController:
             )
             for i, m, r in zip(decode_rows, mode.tolist(), reason.tolist()):
                 modes[i], reasons[i] = m, r
+                if r == SlowReason.FIRST_DECODE:  # the stagger's offset for the interval it starts
+                    self.stats.get(req_ids[i]).reuse_offset = int(self.trigger.offset[slots[i]])
         refresh_all = [False] * n
         slow_counts = [0] * n
         for i in range(n):

@@ -48,6 +48,9 @@ class RequestStats:
     full_context_tokens: int = 0
     decode_context_tokens: int = 0
     preemptions: int = 0
+    # reuse_stagger: how much shorter than reuse_budget the interval after the last first
+    # selection is (sfi_vllm.trigger.reuse_offset)
+    reuse_offset: int = 0
     policy: str = "sfi"
     # sfi.mode lossless: the model's steps that verified drafted tokens, the tokens drafted for them
     # and those it accepted (each verify step also samples one token of its own)

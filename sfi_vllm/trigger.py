@@ -7,8 +7,8 @@ A decode step of a sequence is
   - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range),
   - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step (with
     ``reuse_stagger``, the first interval after a request's first selection is shorter by an offset
-    derived from its context length, :func:`reuse_offset`, so that requests of different lengths
-    that start together refresh on different steps; equal lengths share a phase),
+    derived from its context length and its prompt's tokens, :func:`reuse_offset`, so that requests
+    that start together refresh on different steps, equal lengths included),
   - ``BOUNDARY``: a sentence just ended, and at least ``min_gap`` fast steps have run since the
     last slow step. With ``boundary_fire="next_token"`` (the authors' choice) it fires on the first
     non-whitespace token after the ender; with ``"at_ender"`` on the step whose input is the ender;
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
+import zlib
 
 import numpy as np
 import torch
@@ -104,12 +105,24 @@ def _host(x: Any, dtype: Any) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
-def reuse_offset(context_lens: Any, reuse_budget: Any) -> np.ndarray:
-    """The per-request phase of the reuse budget: ``floor(frac(context x 0.618...) x budget)``, in
-    ``[0, budget)``. It depends only on the context length at the request's first selection (so a
-    request's steps do not depend on which others share its batch), and consecutive lengths land
-    far apart (the golden-ratio sequence is evenly spread)."""
+def prompt_phase(prompt_token_ids: Any) -> int:
+    """A request's reuse phase key (for :func:`reuse_offset`): the CRC-32 of its prompt's token
+    ids (0 without them). It depends on the prompt alone, so a request's steps do not depend on
+    which others share its batch, and prompts of one length but different tokens get different
+    phases."""
+    if prompt_token_ids is None or len(prompt_token_ids) == 0:
+        return 0
+    return zlib.crc32(np.asarray(prompt_token_ids, dtype=np.int64).tobytes())
+
+
+def reuse_offset(context_lens: Any, reuse_budget: Any, phases: Any = None) -> np.ndarray:
+    """The per-request phase of the reuse budget: ``floor(frac((context + phase) x 0.618...) x
+    budget)``, in ``[0, budget)``, from the context length at the request's first selection and
+    its prompt's phase key (:func:`prompt_phase`; None: 0). Both depend on the request alone, and
+    consecutive values land far apart (the golden-ratio sequence is evenly spread)."""
     ctx = _host(context_lens, np.float64)
+    if phases is not None:
+        ctx = ctx + _host(phases, np.float64)
     budget = _host(reuse_budget, np.int64)
     frac = np.modf(ctx * GOLDEN_FRACTION)[0]
     return np.clip(np.minimum((frac * budget).astype(np.int64), budget - 1), 0, None).astype(np.int32)
@@ -152,8 +165,10 @@ class SlowStepTrigger:
         self.never_slow = np.zeros(num_slots, dtype=bool)
         self.bridge = np.zeros(num_slots, dtype=np.int32)
         self.stagger = np.zeros(num_slots, dtype=bool)
-        # reuse-budget offset of the current interval (reuse_stagger: set at a first selection)
+        # reuse-budget offset of the current interval (reuse_stagger: set at a first selection),
+        # and each slot's request's phase key (prompt_phase)
         self.offset = np.zeros(num_slots, dtype=np.int32)
+        self.phase = np.zeros(num_slots, dtype=np.int64)
         # the bridge: decode steps whose context is below bridge_until[slot] are dense; it is set at
         # the slot's first decode step after a reset (fresh), from that step's context
         self.fresh = np.ones(num_slots, dtype=bool)
@@ -162,8 +177,9 @@ class SlowStepTrigger:
         for slot in range(num_slots):
             self.configure(slot, cfg)
 
-    def configure(self, slot: int, cfg: SFIConfig) -> None:
-        """Apply ``cfg``'s trigger settings and policy to one slot."""
+    def configure(self, slot: int, cfg: SFIConfig, phase: int = 0) -> None:
+        """Apply ``cfg``'s trigger settings and policy to one slot, for a request whose prompt has
+        the phase key ``phase`` (:func:`prompt_phase`)."""
         if cfg.boundary_trigger and cfg.refreshes_selection and not self.has_boundary:
             raise ValueError(
                 "sfi-vllm: the boundary trigger needs sentence-ender token ids: serve with a "
@@ -179,6 +195,7 @@ class SlowStepTrigger:
         self.never_slow[slot] = cfg.policy == "quest"
         self.bridge[slot] = cfg.bridge_steps if refresh else 0
         self.stagger[slot] = cfg.reuse_stagger and refresh
+        self.phase[slot] = phase
 
     def _bridge_until(self, slots: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
         """The context length at which each row's bridge ends (set at its first decode step)."""
@@ -267,7 +284,7 @@ class SlowStepTrigger:
         self.fast_since_slow[slots] = np.where(slow | dense, 0, fast_since + 1)
         # the offset shortens only the interval that follows a first selection
         first_slow = slow & first & self.stagger[slots]
-        self.offset[slots] = np.where(first_slow, reuse_offset(context_lens, budget),
+        self.offset[slots] = np.where(first_slow, reuse_offset(context_lens, budget, self.phase[slots]),
                                       np.where(slow | dense, 0, self.offset[slots]))
         self.initialized[slots] = ~dense
         if known is None:

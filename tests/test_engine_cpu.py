@@ -11,7 +11,6 @@ import os
 import pytest
 
 from sfi_vllm.config import SFIConfig
-from sfi_vllm.trigger import reuse_offset
 
 pytestmark = pytest.mark.engine
 
@@ -145,8 +144,10 @@ def test_small_budget_statistics_match_the_configuration(sfi_small):
         assert len(steps) == st["slow_steps"]
         assert st["slow_events"][0][2] == "first_decode"
         # reuse_stagger (the default): the interval after the first selection is shorter by an
-        # offset that follows from the context length at that selection
-        first_interval = cfg["reuse_budget"] - int(reuse_offset([st["slow_events"][0][1]], cfg["reuse_budget"])[0])
+        # offset that follows from the context length at that selection and the prompt's tokens
+        # (sfi_vllm.trigger.reuse_offset), which the statistics report
+        assert 0 <= st["reuse_offset"] < cfg["reuse_budget"]
+        first_interval = cfg["reuse_budget"] - st["reuse_offset"]
         for i, (step, context, reason) in enumerate(st["slow_events"]):
             assert context == out["prompt_tokens"] + step + 1
             if i == 0:

@@ -61,6 +61,30 @@ def test_reuse_stagger_spreads_requests_that_start_together():
         assert all(b - a == budget + 1 for a, b in zip(s[1:], s[2:]))  # then the full budget
 
 
+def test_reuse_stagger_spreads_prompts_of_one_length_by_their_tokens():
+    """Eight requests of one length that start together (a benchmark's fixed input length): their
+    prompts' phase keys set the first intervals apart, as the lengths do for different lengths;
+    the same prompt keeps the same phase, and without keys (0) they all share one."""
+    from sfi_vllm.trigger import prompt_phase
+
+    budget, rows, steps = 20, 8, 60
+    prompts = [[7, 11, 13] * 100 + [r] for r in range(rows)]  # one length, the last token differs
+    phases = [prompt_phase(p) for p in prompts]
+    assert len(set(phases)) == rows and phases[3] == prompt_phase(list(prompts[3]))
+    assert prompt_phase([]) == 0 and prompt_phase(None) == 0
+    cfg = build_config({"bridge_steps": 0, "reuse_budget": budget, "boundary_trigger": False}, use_env=False)
+    second = {}
+    for keyed in (False, True):
+        trig = SlowStepTrigger(cfg, num_slots=rows, vocab_size=8, boundary=BOUNDARY)
+        for r in range(rows):
+            trig.configure(r, cfg, phases[r] if keyed else 0)
+        slots, ctx = torch.arange(rows), torch.full((rows,), 16384)
+        modes = [trig.step(slots, torch.full((rows,), WORD), ctx + i)[0] for i in range(steps)]
+        second[keyed] = [[i for i in range(steps) if modes[i][r] == StepMode.SLOW][1] for r in range(rows)]
+    assert len(set(second[False])) == 1  # one length, no keys: one phase
+    assert len(set(second[True])) >= 5, second[True]
+
+
 def test_reuse_offset_is_in_range_and_per_context():
     from sfi_vllm.trigger import reuse_offset
 

@@ -195,9 +195,9 @@ class CudaExecutor:
             apply_commit(self.commits.popleft(), self.live_maps)
         self.direct_pending = False
 
-    def defer_commit(self, commit: Commit) -> None:
-        """A flush's publication, applied by a later :meth:`join_refresh`."""
-        self.commits.append(commit)
+    def defer_commit(self, **fields) -> None:
+        """A flush's publication (:class:`Commit`'s fields), applied by a later :meth:`join_refresh`."""
+        self.commits.append(Commit(**fields))
 
     # -- timing the refresh ------------------------------------------------------------------------
     @contextmanager

@@ -372,14 +372,12 @@ class StepRefresh:
                     done = torch.cuda.Event()
                     done.record(side)
         if deferred:  # on the main stream, which applies them
-            from sfi_vllm.backends.cuda_executor import Commit
-
             step = executor.step_of_flush()
             for job, (targets, first) in zip(jobs, published):
-                executor.defer_commit(Commit(
+                executor.defer_commit(
                     step=step, layers=[l.packed for l in job.layers], slots=tensor_to_device(job.slots, dev),
                     targets=to_device(torch.tensor(targets, dtype=torch.int32), dev), first=first,
-                    done=done, copied=copied))
+                    done=done, copied=copied)
 
     @staticmethod
     def _copy_stages(executor, jobs: list[_Job]) -> bool:

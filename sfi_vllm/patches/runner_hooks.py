@@ -30,22 +30,26 @@ import torch
 
 from sfi_vllm.controller import current_controller
 from sfi_vllm.host_copy import to_device
+from sfi_vllm.trigger import prompt_phase
 
 logger = logging.getLogger("sfi_vllm")
 _INSTALLED = False
 
 
-def _runner_step_inputs(runner, num_scheduled_tokens):
+def _runner_step_inputs(runner, num_scheduled_tokens, known=()):
+    """The runner's batch as the controller plans it; ``known``: request ids the controller has
+    seen (a prompt's phase key is computed only for the others)."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = list(runner.input_batch.req_ids[:num_reqs])
     num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-    prompt_lens = []
+    prompt_lens, phases = [], []
     for r in req_ids:
         state = runner.requests[r]
         n = getattr(state, "num_prompt_tokens", None)
         if n is None:
             n = len(state.prompt_token_ids or ())
         prompt_lens.append(int(n))
+        phases.append(0 if r in known else prompt_phase(getattr(state, "prompt_token_ids", None)))
     starts = torch.zeros(num_reqs, dtype=torch.long)
     if num_reqs > 1:
         starts[1:] = torch.as_tensor(num_scheduled_tokens[: num_reqs - 1]).cumsum(0)
@@ -58,7 +62,7 @@ def _runner_step_inputs(runner, num_scheduled_tokens):
     for r in req_ids:
         params = getattr(runner.requests[r], "sampling_params", None)
         extra_args.append(getattr(params, "extra_args", None))
-    return req_ids, num_computed, prompt_lens, first_tokens, extra_args
+    return req_ids, num_computed, prompt_lens, first_tokens, extra_args, phases
 
 
 def install_for(controller) -> None:
@@ -110,8 +114,8 @@ def install() -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         ctl = current_controller()
         if ctl is not None:
-            req_ids, num_computed, prompt_lens, first_tokens, extra_args = _runner_step_inputs(
-                self, num_scheduled_tokens
+            req_ids, num_computed, prompt_lens, first_tokens, extra_args, phases = _runner_step_inputs(
+                self, num_scheduled_tokens, ctl.slot_of
             )
             spec_tokens = request_tokens = None
             if ctl.lossless:
@@ -119,7 +123,7 @@ def install() -> None:
                 spec_tokens = [len(spec.get(r, ())) for r in req_ids]
                 request_tokens = [int(self.requests[r].num_tokens) for r in req_ids]
             ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens,
-                          extra_args, spec_tokens, request_tokens)
+                          extra_args, spec_tokens, request_tokens, phases)
         return out
 
     @functools.wraps(orig_execute)

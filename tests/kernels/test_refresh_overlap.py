@@ -170,7 +170,7 @@ def test_steps_that_cannot_run_beside_a_refresh_wait_for_all_of_it():
     """The join's rules on the host: without a plan, for an eager step, after a per-layer refresh
     and for a pending first selection everything is published; otherwise the previous step's
     flush stays pending and older ones are published, in order."""
-    from sfi_vllm.backends.cuda_executor import Commit, CudaExecutor
+    from sfi_vllm.backends.cuda_executor import CudaExecutor
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
     from sfi_vllm.trigger import StepMode
@@ -184,8 +184,8 @@ def test_steps_that_cannot_run_beside_a_refresh_wait_for_all_of_it():
     buf = PackedCompactBuffer(4, 1, 8, 4, torch.float32, "cpu", double_buffer=True)
 
     def commit(step, slot, target, first=False):
-        ex.defer_commit(Commit(step=step, layers=[buf], slots=torch.tensor([slot]),
-                               targets=torch.tensor([[target]], dtype=torch.int32), first=first))
+        ex.defer_commit(step=step, layers=[buf], slots=torch.tensor([slot]),
+                        targets=torch.tensor([[target]], dtype=torch.int32), first=first)
 
     fast = plan_for([StepMode.FAST] * 2, cfg=cfg, context=[100, 100])
     commit(3, 0, 1)
