@@ -111,15 +111,17 @@ SPEC_MODES = {"lossless": {"mode": "lossless", "experimental": {"synthetic_accep
 # Random token ids have no sentences; the speed preset has no boundary trigger and a reuse budget
 # of 20 fast steps: one slow step every 21 steps (~4.8%), about the rate the sentence trigger gave
 # on real generations of the test model (1 per ~18-24 steps). Row j's prompt is j tokens shorter
-# than the point's context, so that with sfi.reuse_stagger on (it derives a reuse phase from the
-# context length) requests of one batch, which start together, take different reuse phases, as
-# requests arriving apart do in serving. The stagger is on by default; with it off
-# ('{"reuse_stagger": false}') every row of a batch refreshes on the same steps (lockstep).
+# than the point's context (--same-length: every row's is the context), so that with
+# sfi.reuse_stagger on (it derives a reuse phase from the context length and the prompt's tokens)
+# requests of one batch, which start together, take different reuse phases, as requests arriving
+# apart do in serving. The stagger is on by default; with it off ('{"reuse_stagger": false}')
+# every row of a batch refreshes on the same steps (lockstep).
 
 
 def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | None, mode: str,
         probe: bool = False, tp: int = 1, spec: dict | None = None, repeats: int = 1,
-        request_variants: dict[str, dict] | None = None, itl: bool = False) -> list[dict]:
+        request_variants: dict[str, dict] | None = None, itl: bool = False,
+        same_length: bool = False) -> list[dict]:
     """One engine serves every point (same max_num_seqs / max_model_len): for each, a prefill-only
     pass fills the prefix cache, then per variant (the engine's settings; ``request_variants``:
     per-request settings over them, named; with ``probe`` also the slow-step probe) a warm-up
@@ -149,7 +151,8 @@ def run(model: str, points: list[tuple[int, int]], new_tokens: int, sfi: dict | 
     out = []
     for batch, context in points:
         g = torch.Generator().manual_seed(batch * 7 + context)
-        prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context - j,), generator=g).tolist()}
+        prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (context - (0 if same_length else j),),
+                                                      generator=g).tolist()}
                    for j in range(batch)]
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -441,6 +444,8 @@ def main() -> int:
     ap.add_argument("--itl", action="store_true",
                     help="step the engine in the timed runs and record each output's arrival: the rows get "
                     "the inter-token latencies (itl_p50_ms, itl_p99_ms, itl_max_ms, ...; generate_stepped)")
+    ap.add_argument("--same-length", action="store_true",
+                    help="every prompt of a point holds the point's context (default: row j's is j tokens shorter)")
     ap.add_argument("--make-model", action="store_true",
                     help="only write the checkpoint and its tokenizer (for serve_bench.sh) and exit")
     args = ap.parse_args()
@@ -469,7 +474,8 @@ def main() -> int:
         run(str(model), points, args.new_tokens, MODES[args.mode], args.name or args.mode,
             probe=args.slow_probe and MODES[args.mode] is not None and spec is None
             and (args.name is None or args.probe_variants),
-            tp=args.tp, spec=spec, repeats=args.repeats, request_variants=request_variants, itl=args.itl)
+            tp=args.tp, spec=spec, repeats=args.repeats, request_variants=request_variants, itl=args.itl,
+            same_length=args.same_length)
         return 0
     variants = {name: {**json.loads(args.sfi or "{}"), **over}
                 for name, over in _named_json(args.variant, "--variant").items()}
@@ -515,7 +521,8 @@ def main() -> int:
                    ["--probe-variants"] if args.probe_variants else []) + ["--tp", str(args.tp)] + (
                    ["--spec", args.spec] if args.spec else []) + ["--repeats", str(args.repeats)] + (
                    ["--requests-on-variants"] if args.requests_on_variants else []) + (
-                   ["--itl"] if args.itl else []) + [
+                   ["--itl"] if args.itl else []) + (
+                   ["--same-length"] if args.same_length else []) + [
                    a for v in (args.request_variant if mode == "sfi" or (mode in variants and args.requests_on_variants)
                                else []) for a in ("--request-variant", v)]
         # the engine's own log (captures, compilations, warnings) beside the results; its results
