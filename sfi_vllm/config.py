@@ -265,11 +265,12 @@ class Policy(_SettingsModel):
         "later intervals are the full budget; the request's statistics report the offset as "
         "reuse_offset). On by default: a step in which "
         "every row of a batch re-selects costs more than a dense step, while one that re-selects a "
-        "single row costs about half of one. On the H200, 16 requests at 16K of different lengths "
-        "that started together, with the offset from the context length alone: "
+        "single row costs about half of one. On the H200, 16 requests at 16K that started together: "
         "ITL p99 13.0 ms against 19.2 in lockstep (dense's 13.0-13.1), p90 6.3 against 5.2 (a "
-        "quarter of the steps then re-select one row), throughput 0-2% lower "
-        "(benchmarks/results/e2e-h200-itl.md). A request's first selection still falls on the same "
+        "quarter of the steps then re-select one row), throughput 0-2% lower, with lengths a token "
+        "apart (benchmarks/results/e2e-h200-itl.md); of one length, p99 13.2 against 19.0-19.2 "
+        "(dense's 13.4-13.5), throughput 2.4-3.0% lower (e2e-h200-same-length.md). A request's "
+        "first selection still falls on the same "
         "step for rows that start together. false: requests that start together refresh together",
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
@@ -409,11 +410,12 @@ class EngineSettings(_SettingsModel):
         "refresh (selection and repack on the second stream) is still running, instead of waiting "
         "for it. A row re-selected on one step then attends through its previous compact set for "
         "one more step and through the new set from the step after that. The next step still waits "
-        "when it cannot run beside the refresh: a step that runs eagerly (prefill chunks, per-layer "
-        "refreshes), one whose own slow rows have their scores written by the fast-step kernel, or "
+        "when it cannot run beside the refresh: a step that is not one uniform launch (prefill "
+        "chunks, eager slow rows, per-layer refreshes), one whose own slow rows have their scores "
+        "written by the fast-step kernel, or "
         "a refresh that makes some row's first selection (such a row has no earlier set to read). "
-        "Needs side_stream. Off by default: on the H200 it changed throughput against waiting by "
-        "-12% to +8% (mean +1%) with a slow step every 20 fast steps and by -1% to +2% at the "
+        "Needs side_stream and mode lossy. Off by default: on the H200 it changed throughput against waiting by "
+        "-12% to +8% (mean +0.7%) with a slow step every 20 fast steps and by -1% to +2% at the "
         "default's rate (benchmarks/results/e2e-h200-overlap.md)",
     )
     slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(

@@ -564,15 +564,19 @@ class SFIBuilderMixin:
                graph_rows: int | None = None):
         from dataclasses import fields
 
-        # the previous steps' refresh work (second stream) this step must see, before its kernels
-        if self.controller.executor is not None:
-            self.controller.executor.join_refresh(plan, self.controller.planned_steps)
         platform_build = super().build  # type: ignore[misc]
         base = platform_build(0, cam, fast_build)  # 0: no cascade attention with SFI
         meta = self.metadata_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
         meta.sfi_planned = plan is not None
         # a pass that writes only some of its tokens (drafter_kv shared) is never a uniform one
-        if uniform and (plan is None or plan.kv_write_tokens is None) and self._build_uniform(meta, cam, plan, graph_rows):
+        is_uniform = bool(uniform and (plan is None or plan.kv_write_tokens is None)
+                          and self._build_uniform(meta, cam, plan, graph_rows))
+        # the previous steps' refresh work (second stream) this step must see, before any of its
+        # kernels (the builds above only write host-made tables); a step that is not uniform runs
+        # eagerly and waits for all of it (sfi.refresh_overlap lets only uniform steps run beside)
+        if self.controller.executor is not None:
+            self.controller.executor.join_refresh(plan if is_uniform else None, self.controller.planned_steps)
+        if is_uniform:
             return meta
         if plan is not None:
             meta.sfi = make_step(plan, cam, lambda sub: platform_build(0, sub, fast_build))

@@ -39,6 +39,7 @@ from sfi_vllm.backends.selection import SlowStepSelection
 from sfi_vllm.backends.step_refresh import StepRefresh, graph_slow_groups, plan_score_frames, refresh_per_step
 from sfi_vllm.compact import RowGeometry
 from sfi_vllm.config import SFIConfig
+from sfi_vllm.trigger import StepMode
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +172,13 @@ class CudaExecutor:
         for ``plan`` (planned as the controller's step ``step``): commits of flushes before the
         previous step's end are applied after their refreshes; the previous step's flush keeps
         running, and the step waits only for its copy of the query stages. It waits for everything
-        when ``plan`` is None (warm-up, capture), runs eagerly, has slow rows whose scores the
-        fast-step kernel writes (the frames the running refresh may read), when a per-layer
-        refresh ran since, or when the pending flush makes some row's first selection."""
+        when ``plan`` is None (warm-up, capture, and every step the builder does not make a uniform
+        one: those run eagerly, and an eager step's per-step refresh stages queries the running
+        refresh may still read), has prefill rows or slow rows that run eagerly, has slow rows
+        whose scores the fast-step kernel writes (the frames the running refresh may read), when a
+        per-layer refresh ran since, or when the pending flush makes some row's first selection."""
         if (not self.overlap or plan is None or step is None or plan.needs_eager or self.direct_pending
+                or any(m == StepMode.PREFILL for m in plan.modes)
                 or _writes_score_frames(plan) or any(c.first for c in self.commits)):
             self._join_all()
             return

@@ -249,7 +249,7 @@ class StepRefresh:
         self._stages: dict[tuple, torch.Tensor] = {}
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._scratch: torch.Tensor | None = None  # logits + norms, shared by every entry
-        self._discard: torch.Tensor | None = None  # discard_map
+        self._discard: dict = {}  # discard_map's, by shape and device
         self._uses = SlowStepSelection(capture_after=capture_after)  # its use counter
         self._event = None
         self.captures = 0
@@ -414,6 +414,8 @@ class StepRefresh:
         dev = job.bt.device
         if job.scores is not None:  # the fused buffers' frames: written in the step, or scored here
             source = ("fused" if job.scored_in_kernel else "fused-refresh", job.score_offset)
+            if job.stage is not None:  # scored here from a snapshot of the stages: that one's
+                source += (id(job.stage),)
         else:
             source = "graph" if job.stage is None else id(job.stage)
         if job.scores is not None:
@@ -521,9 +523,10 @@ class StepRefresh:
         """Where a deferred repack's slot-map write goes: a map of the same shape that nothing reads
         (the physical set's length and window start it writes belong to the spare set, which no
         step reads before the commit)."""
-        m = self._discard
-        if m is None or m.shape != buf.slot_map_dev.shape or m.device != buf.slot_map_dev.device:
-            m = self._discard = torch.zeros_like(buf.slot_map_dev)
+        key = (tuple(buf.slot_map_dev.shape), buf.slot_map_dev.device)
+        m = self._discard.get(key)
+        if m is None:  # kept: captured graphs hold its address
+            m = self._discard[key] = torch.zeros_like(buf.slot_map_dev)
         return m
 
     def scratch(self, numel: int, device) -> torch.Tensor:

@@ -194,11 +194,14 @@ def test_steps_that_cannot_run_beside_a_refresh_wait_for_all_of_it():
     assert buf.slot_map_dev.tolist() == [1, 2, 4, 6] and [c.step for c in ex.commits] == [4]
     ex.join_refresh(fast, 5)  # a second build of the same step changes nothing
     assert buf.slot_map_dev.tolist() == [1, 2, 4, 6]
-    for blocker in ("no plan", "eager", "per-layer", "first"):
+    for blocker in ("no plan", "prefill", "eager", "per-layer", "first"):
         commit(5, 2, 5, first=blocker == "first")
         p = fast
-        if blocker == "no plan":
+        if blocker == "no plan":  # also what the builder passes for a step it does not make uniform
             p = None
+        elif blocker == "prefill":
+            p = plan_for([StepMode.PREFILL, StepMode.FAST], cfg=cfg, context=[100, 100])
+            assert not p.needs_eager
         elif blocker == "eager":
             p = plan_for([StepMode.SLOW, StepMode.FAST], cfg=cfg, context=[100, 100])  # not in a graph
             assert p.needs_eager
