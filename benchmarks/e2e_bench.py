@@ -591,6 +591,8 @@ def _write(args, keys, rows, quiet: bool = False) -> None:
     out = []
     for key in keys:
         row = rows[key]
+        if getattr(args, "same_length", False):
+            row["same_length"] = True  # every prompt of the point at the point's context
         if "dense_tok_s" in row and "sfi_tok_s" in row:
             row["ratio"] = round(row["sfi_tok_s"] / row["dense_tok_s"], 2)
             row["slow_step_rate"] = row["sfi_slow_step_rate"]

@@ -377,3 +377,29 @@ def test_bridge_with_lagged_and_deferred_token_reads_matches_exact_reads():
         m, r = reader.step([0], [1], torch.tensor([t]), [0], [1000 + i], [1, 1, 1, 1], defer=True)
         deferred.append((StepMode(int(m[0])), SlowReason(int(r[0]))))
     assert deferred == exact
+
+
+def test_the_runner_hook_hashes_new_requests_prompts_from_the_input_batch():
+    """The phase key of a request the controller has not seen comes from the prompt tokens in
+    vLLM's input batch (int32, no copy) and equals prompt_phase of its prompt; a known request's,
+    or any with phases off (lossless), is 0."""
+    from types import SimpleNamespace
+
+    from sfi_vllm.patches.runner_hooks import _runner_step_inputs
+    from sfi_vllm.trigger import prompt_phase
+
+    prompts = {"a": [5, 6, 7, 8], "b": [5, 6, 7, 9, 10]}
+    tokens = np.zeros((4, 16), dtype=np.int32)
+    for i, r in enumerate(prompts):
+        tokens[i, :len(prompts[r])] = prompts[r]
+        tokens[i, len(prompts[r])] = 99  # an output token after the prompt: not hashed
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=2, req_ids=list(prompts), num_computed_tokens_cpu=np.array([4, 0]),
+                                    token_ids_cpu=tokens),
+        requests={r: SimpleNamespace(num_prompt_tokens=len(p), prompt_token_ids=p, sampling_params=None)
+                  for r, p in prompts.items()},
+        input_ids=SimpleNamespace(gpu=torch.arange(8)))
+    out = _runner_step_inputs(runner, [1, 5])
+    assert out[-1] == [prompt_phase(prompts["a"]), prompt_phase(prompts["b"])] and 0 not in out[-1]
+    assert _runner_step_inputs(runner, [1, 5], known={"a"})[-1] == [0, prompt_phase(prompts["b"])]
+    assert _runner_step_inputs(runner, [1, 5], phases=False)[-1] == [0, 0]

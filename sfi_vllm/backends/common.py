@@ -572,7 +572,7 @@ class SFIBuilderMixin:
         is_uniform = bool(uniform and (plan is None or plan.kv_write_tokens is None)
                           and self._build_uniform(meta, cam, plan, graph_rows))
         # the previous steps' refresh work (second stream) this step must see, before any of its
-        # kernels (the builds above only write host-made tables); a step that is not uniform runs
+        # kernels (the builds above write nothing the refresh reads); a step that is not uniform runs
         # eagerly and waits for all of it (sfi.refresh_overlap lets only uniform steps run beside)
         if self.controller.executor is not None:
             self.controller.executor.join_refresh(plan if is_uniform else None, self.controller.planned_steps)

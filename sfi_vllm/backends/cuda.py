@@ -33,7 +33,7 @@ everything enqueued so far), so they overlap with the next layers; the slow rows
 block-table rows are copied on the main stream first (vLLM reuses those buffers). Repacks write
 each slot's spare compact set and then publish it (``PackedCompactBuffer.slot_map_dev``, read by
 the fast-step kernel), so a fast step reads the old or the new set, never a half-written one; the
-metadata builder makes the main stream wait for the refresh stream at the start of every step
+metadata builder makes the main stream wait for the refresh stream before every step's kernels
 (with ``sfi.refresh_overlap``, for the refreshes before the previous step only, whose sets a
 commit then publishes: :mod:`sfi_vllm.backends.cuda_executor`; every layer's slot map and query
 stage are then rows of one tensor each, so a commit and the refresh's copy of the stages are one

@@ -164,7 +164,8 @@ class CudaExecutor:
 
     def join_refresh(self, plan=None, step: int | None = None) -> None:
         """Order the step about to be built after the refresh work it must see. Called by the
-        metadata builder at the start of every step, before any of the step's kernels is enqueued,
+        metadata builder for every step once it has written the step's tables (nothing the refresh
+        reads) and before any of the step's kernels is enqueued,
         so the step's fast rows (eager or replayed from a full CUDA graph) read complete sets only.
 
         Without overlap, or for a step that cannot run beside a refresh, the current stream waits

@@ -36,20 +36,25 @@ logger = logging.getLogger("sfi_vllm")
 _INSTALLED = False
 
 
-def _runner_step_inputs(runner, num_scheduled_tokens, known=()):
+def _runner_step_inputs(runner, num_scheduled_tokens, known=(), phases: bool = True):
     """The runner's batch as the controller plans it; ``known``: request ids the controller has
-    seen (a prompt's phase key is computed only for the others)."""
+    seen (a prompt's phase key is computed only for the others, from the prompt tokens the input
+    batch already holds as int32; ``phases`` False: none)."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = list(runner.input_batch.req_ids[:num_reqs])
     num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-    prompt_lens, phases = [], []
-    for r in req_ids:
+    prompt_lens, phase_keys = [], []
+    batch_tokens = getattr(runner.input_batch, "token_ids_cpu", None)
+    for i, r in enumerate(req_ids):
         state = runner.requests[r]
         n = getattr(state, "num_prompt_tokens", None)
         if n is None:
             n = len(state.prompt_token_ids or ())
         prompt_lens.append(int(n))
-        phases.append(0 if r in known else prompt_phase(getattr(state, "prompt_token_ids", None)))
+        key = 0
+        if phases and r not in known and getattr(state, "prompt_token_ids", None) is not None:
+            key = prompt_phase(batch_tokens[i, :n] if batch_tokens is not None else state.prompt_token_ids)
+        phase_keys.append(key)
     starts = torch.zeros(num_reqs, dtype=torch.long)
     if num_reqs > 1:
         starts[1:] = torch.as_tensor(num_scheduled_tokens[: num_reqs - 1]).cumsum(0)
@@ -62,7 +67,7 @@ def _runner_step_inputs(runner, num_scheduled_tokens, known=()):
     for r in req_ids:
         params = getattr(runner.requests[r], "sampling_params", None)
         extra_args.append(getattr(params, "extra_args", None))
-    return req_ids, num_computed, prompt_lens, first_tokens, extra_args, phases
+    return req_ids, num_computed, prompt_lens, first_tokens, extra_args, phase_keys
 
 
 def install_for(controller) -> None:
@@ -115,7 +120,7 @@ def install() -> None:
         ctl = current_controller()
         if ctl is not None:
             req_ids, num_computed, prompt_lens, first_tokens, extra_args, phases = _runner_step_inputs(
-                self, num_scheduled_tokens, ctl.slot_of
+                self, num_scheduled_tokens, ctl.slot_of, phases=not ctl.lossless
             )
             spec_tokens = request_tokens = None
             if ctl.lossless:
