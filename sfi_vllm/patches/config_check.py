@@ -139,7 +139,7 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
             model = getattr(model_config, "model", "MODEL")
             return ["sfi.mode lossless drafts with this model under vLLM's speculative decoding: add "
                     f"--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{model}\", "
-                    "\"num_speculative_tokens\": 4}'"]
+                    "\"num_speculative_tokens\": 8}'"]
         return []
     if cfg.mode != "lossless":
         return ["speculative decoding runs with SFI only as sfi.mode lossless (SFI drafts, dense "
