@@ -11,7 +11,10 @@ TOKENS = 256
 # max_num_batched_tokens 256 chunks the prefills, so verify rows share steps with prefill chunks
 ENGINE = dict(max_model_len=2048, max_num_seqs=4, dtype="float32", max_num_batched_tokens=256)
 SMALL = {"sinks": 4, "recent_window": 32, "selected_tokens": 32}
-SPEC_TOKENS = 4
+# drafts per verify: the main fixture runs the number the docs suggest, the other engines 4, so
+# that both lengths run here
+SPEC_TOKENS = 8
+OTHER_SPEC_TOKENS = 4
 FIRST_PASSES = "sfi_vllm.patches.drafter_kv:collect"  # drafter first passes of one token per row
 
 
@@ -73,11 +76,11 @@ def test_lossless_drafts_were_sparse_and_some_were_rejected(lossless):
         # some drafts were kept and some rejected (where the lossy mode, drafting alone, would
         # have parted from dense)
         assert st["verify_steps"] < st["accepted_tokens"] < st["drafted_tokens"]
-        # 3.24-3.77 tokens per verify over 256 tokens (the first pass drafting through the set
-        # it has, slow_attention keys); 2.15-2.84 when the drafter did not write the keys and
-        # values of its own new tokens into the shared cache (a mutation, checked;
-        # benchmarks/results/lossless-cpu.md)
-        assert 3.0 < st["acceptance_length"] <= SPEC_TOKENS + 1
+        # 4.15-5.12 tokens per verify over 256 tokens with 8 drafts (the first pass drafting
+        # through the set it has, slow_attention keys); 2.19-2.83 when the drafter did not write
+        # the keys and values of its own new tokens into the shared cache (a mutation, checked).
+        # With 4 drafts: 3.24-3.77 against 2.15-2.84 (benchmarks/results/lossless-cpu.md)
+        assert 3.5 < st["acceptance_length"] <= SPEC_TOKENS + 1
         # every verify re-selects in the drafter's first pass; its other passes are fast steps
         assert st["slow_reasons"] == {"verify": st["slow_steps"]}
         assert st["fast_steps"] == (SPEC_TOKENS - 1) * st["slow_steps"]
@@ -105,7 +108,7 @@ REUSE = {"draft_reselect": "reuse_budget", "reuse_budget": 16, "min_gap": 0}
 def test_reselection_by_reuse_budget_keeps_the_output_and_drafts_fast_first_passes(model_dir, requests, dense):
     """draft_reselect reuse_budget: most first passes are fast steps over several verified tokens
     (the multi-token fast rows of the reference path); the output is still dense's."""
-    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": OTHER_SPEC_TOKENS}
     short = [{**r, "max_tokens": 128} for r in requests[:2]]
     r = _run(model_dir, short, attention_backend="sfi", sfi={**SMALL, **REUSE, "mode": "lossless"},
              engine={"speculative_config": spec})
@@ -122,7 +125,7 @@ def test_a_drafter_with_its_own_kv_cache_keeps_the_output_in_half_the_pool(model
     """drafter_kv own (vLLM's draft_model layout) against shared (the default, the ``lossless``
     fixture): both give dense's tokens; shared, the drafter's layers take no room in the pool, so
     the same memory holds twice the blocks."""
-    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": OTHER_SPEC_TOKENS}
     short = [{**r, "max_tokens": 64} for r in requests[:2]]
     own = _run(model_dir, short, attention_backend="sfi", sfi={**SMALL, "mode": "lossless", "drafter_kv": "own"},
                engine={"speculative_config": spec}, collect=[FIRST_PASSES])
@@ -141,7 +144,7 @@ def test_preemption_and_prefix_cache_hits_keep_the_output(model_dir, requests, d
     last request to finish are the ones still cached), and its prefill starts from the prefix
     cache. The output is dense's throughout, and the repeated prompt's drafts are kept about as
     often both times (a drafter reading wrong entries after either would draft worse)."""
-    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": OTHER_SPEC_TOKENS}
     n = 128
     first = requests[:2]
     reqs = [{**r, "max_tokens": n, "phase": 0} for r in first] + [{**first[-1], "max_tokens": n, "phase": 1}]
