@@ -295,14 +295,16 @@ class Policy(_SettingsModel):
         "token per row, drafter_kv shared; with own it attends densely): keys drafts its first token "
         "from the previous set, dense drafts the model's own token (docs/lossless.md)",
     )
-    draft_reselect: Literal["verify", "reuse_budget"] = Field(
+    draft_reselect: Literal["verify", "reuse_budget", "rejection"] = Field(
         "verify",
         description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "
         "(the drafter's first pass re-selects at the token just sampled; slow_attention says what "
         "that token attends to). reuse_budget: once reuse_budget tokens have been verified since its last "
         "selection; the first passes in between are fast steps, which saves the re-selection per verify "
-        "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely; "
-        "docs/lossless.md)",
+        "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely). "
+        "rejection: after a verify step that rejected a draft, and once reuse_budget tokens have been "
+        "verified since the last selection; a verify that kept every draft keeps the sets "
+        "(docs/lossless.md)",
     )
 
     # Selection.

@@ -117,7 +117,7 @@ class SFIController:
         self.slot_of: dict[str, int] = {}
         self.generation = [0] * self.num_slots
         self.slow_count = [0] * self.num_slots
-        # sfi.mode lossless, draft_reselect reuse_budget: tokens verified since the drafter's last
+        # sfi.mode lossless, draft_reselect reuse_budget or rejection: tokens verified since the drafter's last
         # selection per slot (-1: no selection yet)
         self.verified_since_selection = [-1] * self.num_slots
         # sfi.mode lossless: each drafter pass's plan, by pass index, with the model step's plan it

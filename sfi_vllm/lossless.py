@@ -14,15 +14,16 @@ Per engine step, in this order:
    layer's compact set (a slow step, reason ``verify``): one token per row with
    ``slow_attention: keys`` and a set already made, the row attends through that set while the
    keys are scored (a keys-only slow row, which the kernel path runs inside the pass's CUDA
-   graph, refreshed before the next pass); otherwise densely. Or, with ``draft_reselect:
-   reuse_budget`` while fewer than ``reuse_budget`` tokens have been verified since the last
-   selection, a fast step (for each of its real tokens with ``own``);
+   graph, refreshed before the next pass); otherwise densely. Or, while fewer than
+   ``reuse_budget`` tokens have been verified since the last selection, with ``draft_reselect:
+   reuse_budget`` always and with ``rejection`` when the verify kept every draft, a fast step (for
+   each of its real tokens with ``own``);
 3. ``k - 1`` drafter passes of one token per row: fast steps on that compact set and the recent
    window.
 
 So by default a request's drafts read a selection made at its last verified token; the boundary
 trigger, bridge and min_gap of the lossy mode do not apply, and the reuse budget only with
-``draft_reselect: reuse_budget``. :func:`plan_draft` turns the
+``draft_reselect`` reuse_budget or rejection. :func:`plan_draft` turns the
 model step's plan and the drafter's attention metadata into each pass's plan.
 """
 
@@ -52,6 +53,19 @@ def plan_draft(controller: SFIController, cam: Any, draft_index: int) -> StepPla
     plan = _plan_pass(controller, base, cam, draft_index)
     controller.draft_plans[draft_index] = (base, plan)
     return plan
+
+
+def _keeps_selection(cfg: Any, since: int, verified: int, drafted: int) -> bool:
+    """Whether a row's first drafter pass keeps the compact sets of its last selection (a fast
+    step) instead of re-selecting: never at a first selection (``since`` -1) or once
+    ``reuse_budget`` tokens have been verified since the last one; in between, with
+    ``draft_reselect`` reuse_budget always, with rejection only when the verify just made kept
+    every draft (``verified``: the drafts kept and the model's own token)."""
+    if since < 0 or since + verified >= cfg.reuse_budget:
+        return False
+    if cfg.draft_reselect == "reuse_budget":
+        return True
+    return cfg.draft_reselect == "rejection" and verified - 1 >= drafted
 
 
 def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index: int) -> StepPlan:
@@ -113,7 +127,7 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
             since = controller.verified_since_selection[slot]
             if cfg.policy in ("dense", "quest"):
                 modes[i] = int(StepMode.DENSE)  # no compact set to make (quest selects per step)
-            elif cfg.draft_reselect == "reuse_budget" and since >= 0 and since + verified < cfg.reuse_budget:
+            elif _keeps_selection(cfg, since, verified, base.drafted[i]):
                 # the compact sets of the last selection still serve: every token of the pass is
                 # a fast step on them and the recent window
                 modes[i] = int(StepMode.FAST)
