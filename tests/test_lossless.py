@@ -365,30 +365,38 @@ def test_reuse_budget_reselection_drafts_fast_first_passes_until_the_budget_is_s
     assert ctl.verified_since_selection[ctl.slot_of["a"]] == -1
 
 
-def test_rejection_reselection_keeps_the_sets_while_every_draft_is_kept():
+@pytest.mark.parametrize("one_token", [True, False], ids=["one-token-first-pass", "vllm-layout"])
+def test_rejection_reselection_keeps_the_sets_while_every_draft_is_kept(one_token):
     """draft_reselect rejection: the drafter's first pass re-selects after a verify that rejected a
-    draft, and once reuse_budget tokens have been verified since the last selection; after a
-    verify that kept all its drafts it is a fast step on the sets it has."""
+    draft (one is enough), and once reuse_budget tokens have been verified since the last
+    selection; after a verify that kept all its drafts it is a fast step on the sets it has. In
+    both first-pass layouts: the token just sampled alone (drafter_kv shared, the kept drafts
+    read from the lengths) and vLLM's (the verified tokens again, rejected drafts as padding)."""
     cfg = {**LOSSLESS, "draft_reselect": "rejection", "reuse_budget": 16, "min_gap": 0}
     ctl = SFIController(build_config({**cfg, "boundary_token_ids": [7]}), fake_vllm_config(cfg))
     z = torch.zeros(1, dtype=torch.long)
     ctl.plan_step(["a"], np.array([100]), np.array([0]), [100], z)
     modes, ctx = [], 101
-    # drafts rejected per verify step (4 drafts each; vLLM's first-pass layout pads the rejected ones)
-    for rejected in (0, 0, 2, 0, 0, 0, 0):
+    # drafts rejected per verify step (4 drafts each)
+    for rejected in (0, 0, 1, 0, 0, 0, 0, 4):
         ctl.plan_step(["a"], np.array([5]), np.array([ctx]), [100], z)
-        slots = torch.arange(6)
-        slots[6 - rejected:] = PADDING_SLOT
-        cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 5]), query_start_loc_cpu=torch.tensor([0, 6]),
-                   slot_mapping=slots)
+        kept = 4 - rejected
+        if one_token:  # the pass's length: the context, the kept drafts and the token just sampled
+            cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 2 + kept]), query_start_loc_cpu=torch.tensor([0, 1]),
+                       slot_mapping=torch.tensor([ctx + 1 + kept]))
+        else:
+            slots = torch.arange(6)
+            slots[6 - rejected:] = PADDING_SLOT
+            cam = _CAM(num_reqs=1, seq_lens=torch.tensor([ctx + 5]), query_start_loc_cpu=torch.tensor([0, 6]),
+                       slot_mapping=slots)
         modes.append(plan_draft(ctl, cam, 0).modes[0])
-        ctx += 5 - rejected
+        ctx += 1 + kept
     S, F = StepMode.SLOW, StepMode.FAST
-    # the first selection; all kept: fast (5 verified since); a rejection: slow; all kept three
-    # times: fast at 5, 10, 15 verified since; the next would reach 20 >= 16: slow
-    assert modes == [S, F, S, F, F, F, S], modes
+    # the first selection; all kept: fast (5 verified since); one rejected: slow; all kept three
+    # times: fast at 5, 10, 15 verified since; the next would reach 20 >= 16: slow; all rejected: slow
+    assert modes == [S, F, S, F, F, F, S, S], modes
     st = ctl.stats.get("a")
-    assert dict(st.slow_reasons) == {"verify": 3} and st.accepted_tokens == 4 * 7 - 2
+    assert dict(st.slow_reasons) == {"verify": 4} and st.accepted_tokens == 4 * 8 - 1 - 4
 
 
 def test_default_reselection_is_every_verify():
