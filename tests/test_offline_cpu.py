@@ -150,6 +150,37 @@ def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, c
     assert "'sinks' is given twice" in capsys.readouterr().err
 
 
+def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_otherwise(tmp_path, capsys):
+    from sfi_vllm.tools import cli
+
+    def kwargs(*flags: str) -> dict:
+        args = cli.build_parser().parse_args(["batch", "in.jsonl", "out.jsonl", *flags])
+        return cli.batch_engine_kwargs(args, "/models/m", cli._json_arg(args.sfi, "--sfi"), cuda=False)
+
+    lossless = kwargs("--sfi", '{"mode": "lossless"}')
+    assert lossless["speculative_config"] == {"method": "draft_model", "model": "/models/m",
+                                              "num_speculative_tokens": cli.LOSSLESS_DRAFTS}
+    assert lossless["additional_config"] == {"sfi": {"mode": "lossless"}} and lossless["dtype"] == "float32"
+    assert "the model drafts for itself" in capsys.readouterr().err
+    given = {"method": "draft_model", "model": "/models/m", "num_speculative_tokens": 3}
+    assert kwargs("--sfi", '{"mode": "lossless"}', "--speculative-config", json.dumps(given))[
+        "speculative_config"] == given
+    assert kwargs("--sfi", '{"mode": "lossless"}', "--engine-kwargs", json.dumps({"speculative_config": given}))[
+        "speculative_config"] == given
+    assert capsys.readouterr().err == ""  # given: nothing filled in, nothing said
+    assert "speculative_config" not in kwargs() and "speculative_config" not in kwargs("--attention-backend", "dense")
+    with pytest.raises(cli.UsageError, match="given twice"):
+        kwargs("--speculative-config", "{}", "--engine-kwargs", '{"speculative_config": {}}')
+
+
+def test_batch_sampling_takes_logit_bias_keys_as_token_ids():
+    from sfi_vllm.tools.batch import token_id_keys
+
+    assert token_id_keys({"12": 5.0, 7: -1}, "sampling.logit_bias") == {12: 5.0, 7: -1}
+    with pytest.raises(ValueError, match=r"sampling.logit_bias: keys are token ids \(integers\); got 'yes'"):
+        token_id_keys({"yes": 1}, "sampling.logit_bias")
+
+
 # --------------------------------------------------------------------------- engines
 
 @pytest.fixture(scope="module")
@@ -169,7 +200,10 @@ def _env(**extra: str) -> dict[str, str]:
 def test_batch_command(model_dir, tmp_path):
     """A handful of lines, some bad: every line gets one output line, the bad ones an error, the
     run goes on; an id already in the output is not run again."""
+    from transformers import AutoTokenizer
+
     greedy = {"temperature": 0, "max_tokens": 6}
+    (yes,) = AutoTokenizer.from_pretrained(model_dir).encode(" yes")
     lines = [
         {"id": "prompt", "prompt": "One, two, three, four,", "sampling": greedy},
         {"id": "chat-dense", "messages": [{"role": "user", "content": "Say hello."}], "sampling": greedy,
@@ -182,6 +216,8 @@ def test_batch_command(model_dir, tmp_path):
          "body": {"model": "smollm2", "messages": [{"role": "user", "content": "Name a colour."}],
                   "max_tokens": 6, "temperature": 0}},
         {"id": "done-before", "prompt": "never run again"},
+        # JSON object keys are strings; the token id's bias makes every token that token
+        {"id": "bias", "prompt": "One, two, three, four,", "sampling": {**greedy, "logit_bias": {str(yes): 100}}},
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
@@ -194,8 +230,9 @@ def test_batch_command(model_dir, tmp_path):
     assert proc.returncode == 1, proc.stderr[-4000:]  # some lines failed
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(recs) == sorted(["prompt", "chat-dense", "line-3", "bad-sfi", "bad-sampling", "too-long",
-                                   "openai", "done-before"]), recs
+                                   "openai", "done-before", "bias"]), recs
     assert recs["done-before"] == {"id": "done-before", "text": "from an earlier run"}
+    assert recs["bias"].get("error") is None and recs["bias"]["text"] == " yes" * 6, recs["bias"]
     for rid in ("prompt", "chat-dense", "openai"):
         r = recs[rid]
         assert r.get("error") is None and r["completion_tokens"] == 6 and r["text"], r
@@ -205,7 +242,8 @@ def test_batch_command(model_dir, tmp_path):
     assert "sfi.recent_window" in recs["bad-sfi"]["error"]
     assert "temperature" in recs["bad-sampling"]["error"]
     assert "too-long" in recs and re.search(r"(?i)longer than|maximum|max_model_len", recs["too-long"]["error"])
-    assert re.search(r"tok/s", proc.stderr) and "7 requests written" in proc.stderr, proc.stderr[-2000:]
+    assert recs["too-long"]["line"] == 6  # refused by the engine at submission, named by its line too
+    assert re.search(r"tok/s", proc.stderr) and "8 requests written" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.engine

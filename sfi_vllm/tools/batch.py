@@ -262,6 +262,7 @@ class Request:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
+    line: int | None = None  # the input line, named in an error record
 
 
 def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done: Callable[[dict[str, Any]], None],
@@ -322,7 +323,8 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
                 else:
                     (rid,) = llm.enqueue([item.prompt], [item.params], use_tqdm=False)
             except Exception as e:  # the engine refused it: record and go on
-                finish(dict(id=item.id, error=f"{type(e).__name__}: {e}"))
+                rec = dict(id=item.id, line=item.line) if item.line is not None else dict(id=item.id)
+                finish(dict(rec, error=" ".join(f"{type(e).__name__}: {e}".split())))
                 continue
             open_reqs[external_request_id(rid)] = item.id
             internal[external_request_id(rid)] = rid
@@ -402,7 +404,7 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
         except Exception as e:  # SamplingParams refused the sampling fields
             yield dict(id=rid, line=lineno, error=" ".join(f"{type(e).__name__}: {e}".split()))
             continue
-        yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages)
+        yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages, line=lineno)
 
 
 def _runs_sfi(llm: Any) -> bool:
@@ -430,6 +432,8 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     def make_params(req: BatchLine) -> Any:
         kw = {**defaults, "max_tokens": max_tokens, **req.sampling}  # --max-tokens over the model's default
         extra = dict(kw.pop("extra_args", None) or {})
+        if isinstance(kw.get("logit_bias"), dict):
+            kw["logit_bias"] = token_id_keys(kw["logit_bias"], "sampling.logit_bias")
         if req.sfi:
             extra["sfi"] = req.sfi
         return SamplingParams(**kw, extra_args=extra or None)
@@ -462,6 +466,18 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     totals["skipped"] = len(lines) - todo
     totals["earlier_errors"] = earlier
     return totals
+
+
+def token_id_keys(bias: dict[Any, Any], name: str) -> dict[int, Any]:
+    """``bias`` with its keys as token ids: a JSON object's keys are strings (``{"1234": 5}``), and
+    vLLM's ``SamplingParams.logit_bias`` wants integers, as its OpenAI server converts them."""
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: keys are token ids (integers); got {key!r}") from None
+    return out
 
 
 def _peek_id(text: str, lineno: int) -> str:

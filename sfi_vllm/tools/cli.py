@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -131,17 +132,53 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_batch(args: argparse.Namespace) -> int:
-    from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, read_input_lines, run_batch
+LOSSLESS_DRAFTS = 8  # drafts per verify that sfi-vllm batch gives sfi.mode lossless by default (docs/lossless.md)
+
+
+def _batch_sfi_mode(args: argparse.Namespace, engine_sfi: dict[str, Any]) -> str | None:
+    """The engine's ``sfi.mode``, validating ``--sfi`` before anything loads; None for dense."""
+    if args.attention_backend.lower() == "dense":
+        if engine_sfi:
+            raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
+        return None
     from sfi_vllm.config import build_config
 
-    engine_sfi = _json_arg(args.sfi, "--sfi")
+    return build_config(engine_sfi).mode
+
+
+def batch_engine_kwargs(args: argparse.Namespace, model: str, engine_sfi: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    """``vllm.LLM``'s keyword arguments for ``sfi-vllm batch``. Under ``sfi.mode: lossless`` with no
+    speculative config given (``--speculative-config`` or ``--engine-kwargs``), the model drafts for
+    itself with vLLM's ``draft_model`` method and ``LOSSLESS_DRAFTS`` drafts per verify, said on
+    stderr: the mode runs with no other speculative config, less the number of drafts."""
+    mode = _batch_sfi_mode(args, engine_sfi)
     engine_kwargs = _json_arg(args.engine_kwargs, "--engine-kwargs")
-    dense = args.attention_backend.lower() == "dense"
-    if not dense:
-        build_config(engine_sfi)  # a bad setting stops here, before the engine loads
-    elif engine_sfi:
-        raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
+    spec = _json_arg(args.speculative_config, "--speculative-config") if args.speculative_config else None
+    if spec is not None and "speculative_config" in engine_kwargs:
+        raise UsageError("the speculative config is given twice: in --speculative-config and in --engine-kwargs")
+    if mode == "lossless" and spec is None and "speculative_config" not in engine_kwargs:
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": LOSSLESS_DRAFTS}
+        print(f"sfi-vllm batch: sfi.mode lossless: the model drafts for itself, {LOSSLESS_DRAFTS} drafts per "
+              "verify (--speculative-config to change)", file=sys.stderr)
+    kwargs: dict[str, Any] = dict(model=model, max_num_seqs=args.max_num_seqs,
+                                  dtype=args.dtype if args.dtype != "auto" or cuda else "float32")
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if mode is not None:
+        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": engine_sfi})
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    kwargs.update(engine_kwargs)
+    return kwargs
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, read_input_lines, run_batch
+
+    engine_sfi = _json_arg(args.sfi, "--sfi")
+    _batch_sfi_mode(args, engine_sfi)  # a bad setting stops here, before the files are read or the engine loads
     try:  # the files, before the engine loads
         read_input_lines(args.input, args.output)
     except BatchFileError as e:
@@ -151,15 +188,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
     from vllm import LLM
 
-    kwargs = dict(model=model, max_num_seqs=args.max_num_seqs,
-                  dtype=args.dtype if args.dtype != "auto" or torch.cuda.is_available() else "float32")
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
-    if args.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if not dense:
-        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": engine_sfi})
-    kwargs.update(engine_kwargs)
+    kwargs = batch_engine_kwargs(args, model, engine_sfi, cuda=torch.cuda.is_available())
+
     llm = LLM(**kwargs)
     t = run_batch(args.input, args.output, llm, max_tokens=args.max_tokens,
                   max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
@@ -423,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests in the engine at a time (default: 2 x --max-num-seqs)")
     ba.add_argument("--retry-errors", action="store_true", help="run the ids whose output line is an error again")
     ba.add_argument("--engine-kwargs", default=None, help="JSON, extra keyword arguments for vllm.LLM")
+    ba.add_argument("--speculative-config", default=None,
+                    help="JSON, vLLM's speculative config; sfi.mode lossless without one: the model drafts for "
+                         f"itself, {LOSSLESS_DRAFTS} drafts per verify")
     ba.add_argument("--no-progress", action="store_true", help="no progress bar")
     _engine_args(ba)
     ba.set_defaults(func=_cmd_batch, in_process_engine=True)
