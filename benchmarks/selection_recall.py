@@ -58,6 +58,11 @@ def main() -> int:
     ap.add_argument("--evidence", choices=("decode", "prompt-tail"), default="decode",
                     help="the first decode step's attention (as the backend does), or the last --tail prompt queries'")
     ap.add_argument("--tail", type=int, default=16, help="prompt queries pooled with --evidence prompt-tail")
+    ap.add_argument("--prefilter", default="",
+                    help="comma-separated multiples m: also run each page-mode policy with its candidates cut to "
+                         "the pages of highest Quest bound, sfi.experimental.candidate_pages m "
+                         "(sfi_vllm.selector.candidate_page_mask; policy name +pre<m>x); printed with the share "
+                         "of the full selection it keeps and of the context its candidates hold")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,7 +72,7 @@ def main() -> int:
     from sfi_vllm.tools.model_prep import prepare_model
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.tools.quality.tasks import make_samples
-    from sfi_vllm.selector import Selector
+    from sfi_vllm.selector import Selector, candidate_page_mask, quest_page_bounds
 
     torch.manual_seed(0)
     model_dir = prepare_model(progress=False)
@@ -78,7 +83,21 @@ def main() -> int:
     hq, hkv = cfg_m.num_attention_heads, cfg_m.num_key_value_heads
     retentions = [float(x) for x in args.retentions.split(",")]
     policies = args.policies.split(",")
+    multiples = [float(x) for x in args.prefilter.split(",") if x]
+    queries: list[torch.Tensor] = []  # the decode step's post-RoPE query per layer, (Hq, D)
+    if multiples:
+        import transformers.models.llama.modeling_llama as llama
+
+        eager = llama.eager_attention_forward
+
+        def capture(module, query, *a, **kw):
+            if query.shape[2] == 1:
+                queries.append(query[0, :, 0].float())
+            return eager(module, query, *a, **kw)
+
+        llama.eager_attention_forward = capture
     rows: list[dict] = []
+    full_sets: dict = {}  # (sample, retention, policy, layer) -> the full selection, for +pre variants
     for smp in make_samples(tok, args.task, args.context, args.samples):
         text = tok.apply_chat_template([{"role": "user", "content": smp.prompt}], tokenize=False,
                                        add_generation_prompt=True)
@@ -93,6 +112,7 @@ def main() -> int:
             else:
                 out = model(ids, use_cache=True)
             first = out.logits[0, -1].argmax().view(1, 1)
+            queries.clear()
             step = model(first, past_key_values=out.past_key_values, use_cache=True, output_attentions=True)
         ctx = ids.shape[1] + 1
         cache = step.past_key_values
@@ -103,18 +123,34 @@ def main() -> int:
             evidence = [a[0, :, 0, :].view(hkv, hq // hkv, ctx) for a in step.attentions]
         rows_pooled = max(1, tail)
         for r in retentions:
-            for pol in policies:
+            for pol, mult in [(pol, m) for pol in policies for m in [None, *multiples]]:
                 cfg = build_config({"boundary_token_ids": [0], **policy_overrides(pol, r, ctx)}, use_env=False)
+                if mult is not None and (cfg.selector.page_size <= 1 or tail):
+                    continue  # page-mode policies, decode evidence only
+                name = pol if mult is None else f"{pol}+pre{mult:g}x"
                 ws, sinks, k = window_start(cfg, ctx), min(cfg.sinks, ctx), selected_count(cfg, ctx)
                 cand = [p for p in needle if sinks <= p < ws]
                 sel = Selector(cfg.selector)
-                recall, full, mass = [], [], []
+                recall, full, mass, kept, shares = [], [], [], [], []
                 for layer, probs in enumerate(evidence):  # (Hkv, rows, ctx)
                     keys = cache.layers[layer].keys[0] if hasattr(cache, "layers") else cache[layer][0][0]
                     norms = keys[:, sinks:ws].float().norm(dim=-1)  # (Hkv, C)
                     f = sel.evidence(probs, sinks, ws)
-                    chosen = sel.select(probs, norms, sinks, ws, k, rows_pooled) if 0 < k < ws - sinks else \
-                        torch.arange(sinks, sinks + k).expand(hkv, k)
+                    if not 0 < k < ws - sinks:
+                        chosen = torch.arange(sinks, sinks + k).expand(hkv, k)
+                    elif mult is None:
+                        chosen = sel.select(probs, norms, sinks, ws, k, rows_pooled)
+                        full_sets[(smp.index, r, pol, layer)] = chosen
+                    else:
+                        bounds = quest_page_bounds(queries[layer], keys, sinks, ws, cfg.selector.page_size,
+                                                   keys.shape[-1] ** -0.5)
+                        mask = candidate_page_mask(bounds, k, mult, cfg.selector)
+                        chosen = sel.select(probs, norms, sinks, ws, k, rows_pooled, candidates=mask)
+                        share = float(mask.repeat_interleave(cfg.selector.page_size, 1)[:, :ws - sinks].float().mean())
+                        ref = full_sets[(smp.index, r, pol, layer)]
+                        shares.append(share)
+                        kept += [len(set(chosen[h].tolist()) & set(ref[h].tolist())) / max(1, ref.shape[1])
+                                 for h in range(hkv)]
                     for h in range(hkv) if cand else ():
                         got = set(chosen[h].tolist())
                         hit = sum(p in got for p in cand)
@@ -122,29 +158,36 @@ def main() -> int:
                         full.append(hit == len(cand))
                         mass.append(float(f[h, [p - sinks for p in cand]].sum()))
                 if not cand:  # the needle is in the window (or the sinks): every policy keeps it
-                    rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
+                    rows.append(dict(index=smp.index, policy=name, retention=r, context=ctx, selected=k,
                                      window_start=ws, needle_tokens=len(needle), needle_candidates=0,
                                      evidence=args.evidence, tail=tail))
                     continue
-                rows.append(dict(index=smp.index, policy=pol, retention=r, context=ctx, selected=k,
+                rows.append(dict(index=smp.index, policy=name, retention=r, context=ctx, selected=k,
                                  window_start=ws, needle_tokens=len(needle), needle_candidates=len(cand),
                                  recall=statistics.fmean(recall), all_needle=statistics.fmean(full),
-                                 needle_evidence=statistics.fmean(mass), evidence=args.evidence, tail=tail))
+                                 needle_evidence=statistics.fmean(mass), evidence=args.evidence, tail=tail,
+                                 **({"kept_of_full": statistics.fmean(kept), "candidate_share": statistics.fmean(shares)}
+                                    if kept else {})))
         print(f"sample {smp.index}: {len(needle)} needle tokens, {len(cand)} among the candidates", flush=True)
     source = f"the last {tail} prompt queries" if tail else "the first decode step"
     print(f"\n{args.task}, {args.context}-token suite, {args.samples} samples, evidence from {source}; mean over "
           f"samples of the mean over {len(step.attentions)} layers x {hkv} KV heads")
-    print("| policy | retention | needle recall | sets with the whole needle | evidence mass on needle | samples |")
-    print("|---|---|---|---|---|---|")
+    print("| policy | retention | needle recall | sets with the whole needle | evidence mass on needle | samples "
+          "| share of the full selection kept | candidates (share of the context before the window) |")
+    print("|---|---|---|---|---|---|---|---|")
+    names = list(dict.fromkeys(x["policy"] for x in rows))
     for r in retentions:
-        for pol in policies:
+        for pol in names:
             sub = [x for x in rows if x["policy"] == pol and x["retention"] == r and x["needle_candidates"]]
             skipped = sum(1 for x in rows if x["policy"] == pol and x["retention"] == r and not x["needle_candidates"])
             if not sub:
                 continue
             print(f"| {pol} | {r:.2f} | {100 * statistics.fmean(x['recall'] for x in sub):.1f}% | "
                   f"{100 * statistics.fmean(x['all_needle'] for x in sub):.1f}% | "
-                  f"{statistics.fmean(x['needle_evidence'] for x in sub):.4f} | {len(sub)} ({skipped} in the window) |")
+                  f"{statistics.fmean(x['needle_evidence'] for x in sub):.4f} | {len(sub)} ({skipped} in the window) | "
+                  + (f"{100 * statistics.fmean(x['kept_of_full'] for x in sub):.1f}% | "
+                     f"{100 * statistics.fmean(x['candidate_share'] for x in sub):.1f}% |" if "kept_of_full" in sub[0]
+                     else "- | - |"))
     if args.out:
         with open(args.out, "w") as fh:
             for x in rows:

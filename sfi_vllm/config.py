@@ -124,6 +124,17 @@ class ExperimentalConfig(_StrictNumbers):
         "bandwidth, and far slower when one row of a batch is scored; "
         "benchmarks/results/fused-scores-h200.md)",
     )
+    candidate_pages: float = Field(
+        0.0, ge=0.0, le=1024.0,
+        description="the torch reference path only (the CPU; kernels torch on a GPU), page selection "
+        "(selector.page_size > 1): a re-selection scores only the pages, per KV head, whose Quest "
+        "bound (the page's per-dimension key min/max against the query heads of the group) is among "
+        "the highest max(this x ceil(K / page), ceil(K / page) + 1), each page's bound spread over "
+        "follow_pages as the Selector spreads page scores; the evidence is the attention on those "
+        "pages' tokens. What a re-selection that reads the page bounds and a share of the keys, instead "
+        "of every key, would keep (benchmarks/results/candidate-pages-cpu.md); the GPU kernels score "
+        "every key. 0 (default): every page",
+    )
     synthetic_acceptance: bool = Field(
         False,
         description="sfi.mode lossless, for speed measurements only: allow vLLM's "

@@ -73,6 +73,39 @@ def follow_spread(page_scores: torch.Tensor, cfg: SelectorConfig) -> torch.Tenso
     return torch.where(torch.isneginf(page_scores), page_scores, out)
 
 
+def quest_page_bounds(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, page: int,
+                      scale: float) -> torch.Tensor:
+    """Quest's upper bound of each page's attention logit: ``q (Hq, D)`` the slow step's query,
+    ``keys (Hkv, L, D)`` -> ``(Hkv, ceil((hi - lo) / page))``, per page of candidates ``[lo, hi)``
+    (pages counted from ``lo``, as the Selector's) the max over the KV head's query heads of
+    ``scale * sum_d max(q_d * kmin_d, q_d * kmax_d)``, from the page's per-dimension key min/max.
+    No key of the page has a larger logit for that query."""
+    hkv, _, d = keys.shape
+    n = hi - lo
+    pages = -(-n // page)
+    pad = pages * page - n
+    k = F.pad(keys[:, lo:hi].float(), (0, 0, 0, pad)).view(hkv, pages, page, d)
+    real = (torch.arange(pages * page, device=keys.device) < n).view(1, pages, page, 1)
+    kmin = torch.where(real, k, float("inf")).amin(2)
+    kmax = torch.where(real, k, float("-inf")).amax(2)  # (Hkv, P, D)
+    qg = q.float().view(hkv, -1, 1, d)  # (Hkv, G, 1, D)
+    return scale * torch.maximum(qg * kmin[:, None], qg * kmax[:, None]).sum(-1).amax(1)
+
+
+def candidate_page_mask(bounds: torch.Tensor, k: int, multiple: float, cfg: SelectorConfig) -> torch.Tensor:
+    """``bounds (Hkv, P)`` (:func:`quest_page_bounds`) -> ``(Hkv, P)`` bool: per KV head the
+    ``max(ceil(multiple x ceil(k / page)), ceil(k / page) + 1)`` pages (all, if fewer) of highest bound,
+    each page's bound first spread over the pages after it as :func:`follow_spread` spreads page
+    scores, so that the pages the Selector would take for following a strong page are candidates
+    with it. The extra page keeps ``k`` tokens within the candidates when one of them is the last,
+    partial page."""
+    hkv, pages = bounds.shape
+    need = -(-k // cfg.page_size)
+    m = min(pages, max(int(-(-multiple * need // 1)), need + 1))
+    top = torch.topk(follow_spread(bounds, cfg), m, dim=-1).indices
+    return torch.zeros(hkv, pages, dtype=torch.bool, device=bounds.device).scatter_(1, top, True)
+
+
 def page_radius(cfg: SelectorConfig) -> int:
     """Soft-NMS radius in pages (page mode) or tokens."""
     return -(-cfg.nms_radius // cfg.page_size) if cfg.page_size > 1 else cfg.nms_radius
@@ -183,11 +216,15 @@ class Selector:
         hi: int,
         k: int,
         num_query_rows: int = 1,
+        candidates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Absolute positions ``(Hkv, min(k, hi - lo))``, ascending per head.
 
         ``probs (Hkv, R, L)`` are the slow step's attention probabilities over the whole history
         (``R`` = query heads of the group x captured query rows); ``key_norms (Hkv, hi - lo)``.
+        ``candidates (Hkv, P)`` (page mode, :func:`candidate_page_mask`): only those pages are
+        scored: the evidence is the attention on their tokens (what scoring their keys alone
+        gives), and no other page can be taken.
         """
         hkv = probs.shape[0]
         n = hi - lo
@@ -196,7 +233,18 @@ class Selector:
             return torch.empty(hkv, 0, dtype=torch.long, device=probs.device)
         if k == n:
             return torch.arange(lo, hi, device=probs.device).expand(hkv, n).clone()
+        tokens_kept = None
+        if candidates is not None:
+            if self.cfg.page_size <= 1:
+                raise ValueError("candidate pages need page selection (selector.page_size > 1)")
+            tokens_kept = candidates.repeat_interleave(self.cfg.page_size, dim=1)[:, :n]
+            probs = probs.clone()
+            probs[..., lo:hi] *= tokens_kept[:, None, :]
         s = self.scores(probs, key_norms, lo, hi, num_query_rows)
+        if tokens_kept is not None:
+            assert isinstance(s, PageScores) and candidates is not None
+            s = PageScores(torch.where(candidates, s.pages, float("-inf")),
+                           torch.where(tokens_kept, s.tokens, float("-inf")), s.page)
         if isinstance(s, PageScores):
             budget = torch.tensor([k], dtype=torch.long, device=probs.device)
             return top_k_pages(PageScores(s.pages[None], s.tokens[None], s.page), lo, budget, k)[0]

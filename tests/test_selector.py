@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sfi_vllm.config import SelectorConfig
-from sfi_vllm.selector import Selector
+from sfi_vllm.selector import Selector, candidate_page_mask, quest_page_bounds
 
 
 def _probs(hkv, r, n, rng):
@@ -316,3 +316,54 @@ def test_page_select_matches_batched():
     for b, k in enumerate((100, 37)):
         ref = sel.select(probs[b], norms[b, :, lo:hi[b]], lo, hi[b], k)
         assert torch.equal(got[b, :, :k], ref)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_quest_page_bounds_bound_every_keys_logit_and_meet_it_on_one_token_pages(rng, page):
+    hkv, g, d, n, lo = 3, 3, 8, 70, 5
+    q = torch.randn(hkv * g, d, generator=rng)
+    keys = torch.randn(hkv, n, d, generator=rng)
+    bounds = quest_page_bounds(q, keys, lo, n, page, 0.5)
+    assert bounds.shape == (hkv, -(-(n - lo) // page))
+    logits = 0.5 * torch.einsum("hgd,hnd->hgn", q.view(hkv, g, d), keys)[..., lo:]  # (Hkv, G, n - lo)
+    pad = bounds.shape[1] * page - (n - lo)
+    per_page = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")).view(hkv, g, -1, page).amax(-1)
+    best = per_page.amax(1)  # the page's largest logit over the group's query heads
+    assert (bounds >= best - 1e-5).all()
+    if page == 1:
+        assert torch.allclose(bounds, best, atol=1e-5)
+    else:
+        assert (bounds > best + 1e-3).any()  # min/max per dimension: an upper bound, loose in general
+
+
+def test_candidate_page_mask_takes_the_highest_bounds_spread_over_the_pages_they_lead():
+    cfg = SelectorConfig(page_size=16, follow_pages=2, follow_penalty=1.0)
+    bounds = torch.zeros(2, 40)
+    bounds[0, 7] = 10.0  # the page after it (8) and the one after that (9) take 9 and 8
+    bounds[0, 30] = 8.5
+    bounds[1, 39] = 5.0  # the last page: nothing after it
+    mask = candidate_page_mask(bounds, 30, 1.5, cfg)  # ceil(30 / 16) = 2 pages, x 1.5 -> 3
+    assert mask.sum(1).tolist() == [3, 3]
+    assert mask[0].nonzero().flatten().tolist() == [7, 8, 30]
+    assert mask[1, 39]
+    # at least one page more than the budget needs, and every page when there are fewer
+    assert candidate_page_mask(bounds, 32, 1.0, cfg).sum(1).tolist() == [3, 3]
+    assert candidate_page_mask(bounds[:, :2], 32, 4.0, cfg).all()
+
+
+def test_selection_from_candidate_pages_takes_only_them_and_all_of_them_changes_nothing(rng):
+    cfg = SelectorConfig(page_size=8)
+    sel = Selector(cfg)
+    hkv, lo, hi, k = 3, 4, 204, 40
+    probs = _probs(hkv, 4, 230, rng)
+    norms = torch.rand(hkv, hi - lo, generator=rng) + 0.5
+    pages = -(-(hi - lo) // 8)
+    full = sel.select(probs, norms, lo, hi, k)
+    assert torch.equal(sel.select(probs, norms, lo, hi, k, candidates=torch.ones(hkv, pages, dtype=torch.bool)), full)
+    mask = torch.zeros(hkv, pages, dtype=torch.bool)
+    mask[:, ::3] = True  # 9 pages of 8 per head: room for k = 40
+    got = sel.select(probs, norms, lo, hi, k, candidates=mask)
+    assert got.shape == (hkv, k) and (got < hi).all()
+    assert all(bool(mask[h, (got[h] - lo) // 8].all()) for h in range(hkv))
+    with pytest.raises(ValueError, match="page selection"):
+        Selector(SelectorConfig(page_size=1)).select(probs, norms, lo, hi, k, candidates=mask)

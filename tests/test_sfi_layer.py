@@ -171,6 +171,29 @@ def test_fast_step_with_small_budget_attends_exactly_the_working_set(layout):
     assert st.fast_layer_evals == 1 and st.fast_attended_tokens == 4 + 24 + (700 - ((700 - 32) // 16) * 16)
 
 
+def test_candidate_pages_restrict_the_reference_refresh_to_the_pages_of_highest_bound():
+    """sfi.experimental.candidate_pages: the refresh selects as the Selector does over the candidate
+    pages of each KV head (quest bounds of the row's own query), and only from them."""
+    from sfi_vllm.selector import candidate_page_mask, quest_page_bounds
+
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 48, "min_gap": 0,
+           "experimental": {"candidate_pages": 2}}
+    ctl, layer, paged, cam, q, ks, vs, out = _run_layer(cfg, "flash", 16, [900], [1], [StepMode.FAST])
+    c = build_config(cfg, use_env=False)
+    k_all = ks[0].permute(1, 0, 2)
+    ws, kk = window_start(c, 900), selected_count(c, 900)
+    mask = candidate_page_mask(quest_page_bounds(q[0], k_all, 4, ws, 16, 0.125), kk, 2, c.selector)
+    assert mask.sum(1).tolist() == [6, 6, 6]  # 2 x ceil(48 / 16) pages of 54 per head
+    chosen = Selector(c.selector).select(attention_probs(q[0], k_all, 0.125), k_all[:, 4:ws].norm(dim=-1),
+                                         4, ws, kk, candidates=mask)
+    got = layer.buffer.get(0, 1).positions[:, 4:]
+    assert torch.equal(got, chosen)
+    assert all(bool(mask[h, (got[h] - 4) // 16].all()) for h in range(3))
+    # the whole-context selection takes pages outside the candidates here: the option changed it
+    ctl_all, layer_all, *_ = _run_layer({**cfg, "experimental": {}}, "flash", 16, [900], [1], [StepMode.FAST])
+    assert not torch.equal(layer_all.buffer.get(0, 1).positions[:, 4:], got)
+
+
 @pytest.mark.parametrize("window_mode", ["grow", "slide"])
 def test_a_multi_token_fast_row_attends_causally_for_each_token(window_mode):
     """A drafter's first pass without re-selection (sfi.mode lossless, draft_reselect reuse_budget):

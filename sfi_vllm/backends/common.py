@@ -30,7 +30,7 @@ from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, RowGeometry
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, rows_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
-from sfi_vllm.selector import Selector
+from sfi_vllm.selector import Selector, candidate_page_mask, quest_page_bounds
 from sfi_vllm.trigger import StepMode
 
 logger = logging.getLogger("sfi_vllm")
@@ -352,7 +352,12 @@ class SFILayer:
                 q = query[step.row_token[row]].view(self.num_heads, self.head_size)
                 probs = attention_probs(q, keys, self.scale)
                 norms = keys[:, sinks:ws].float().norm(dim=-1)
-                selected = self.selector(cfg).select(probs, norms, sinks, ws, k, num_query_rows=1)
+                candidates = None
+                if cfg.experimental.candidate_pages and cfg.selector.page_size > 1:
+                    bounds = quest_page_bounds(q, keys, sinks, ws, cfg.selector.page_size, self.scale)
+                    candidates = candidate_page_mask(bounds, k, cfg.experimental.candidate_pages, cfg.selector)
+                selected = self.selector(cfg).select(probs, norms, sinks, ws, k, num_query_rows=1,
+                                                     candidates=candidates)
             else:  # nothing to select, or every candidate fits: no need to score
                 selected = torch.arange(sinks, sinks + k, device=bt.device).expand(self.num_kv_heads, -1)
             self.buffer.pack(plan.slots[row], plan.generations[row], paged, bt, sinks, selected, ws)
