@@ -62,6 +62,8 @@ def main() -> int:
                     "(e.g. '{\"draft_reselect\": \"reuse_budget\"}')")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the dense engine (agreement with dense is then not reported)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engines' max_model_len (default: the preset's, 2048 on the CPU, 8192 on the GPU)")
     ap.add_argument("--out", default=None, help="append the results here (JSON lines)")
     args = ap.parse_args()
 
@@ -81,7 +83,7 @@ def main() -> int:
     for c in contexts:
         prompts += long_prompts(tok, args.prompts, c, seed=7)
         lengths += [c] * args.prompts
-    engine = preset["engine"]
+    engine = dict(preset["engine"], **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": args.spec_tokens}
 
     def run(budget: str | None = None, **kw) -> dict:

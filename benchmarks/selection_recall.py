@@ -3,6 +3,7 @@
     python benchmarks/selection_recall.py --context 2048 --samples 10 --out recall.jsonl
     python benchmarks/selection_recall.py --task niah_single --context 2048 --samples 20
     python benchmarks/selection_recall.py --evidence prompt-tail --context 2048 --samples 20
+    python benchmarks/selection_recall.py --context 8192 --retentions 0.03,0.06 --policies sfi --prefilter 2,4,8,16
 
 For samples of a retrieval task of the quality suite (passkey by default), SmolLM2-135M-Instruct (transformers, float32, eager
 attention) runs the chat prompt and its first greedy token, which is what vLLM's first decode step
@@ -20,6 +21,11 @@ prompt queries (16 by default), every query head of the group x every one of tho
 the Selector, with the Selector's several-rows lambda clip: how the authors' code bootstraps the
 first selection during prefill (their "last 16" log-f capture), where our backend uses the first
 decode step's query because vLLM's prefix caching skips the prompt's last queries.
+
+``--prefilter m,...`` adds, per page-mode policy, the selection from candidate pages only
+(``sfi.experimental.candidate_pages m``: per KV head the pages of highest Quest bound, from the
+decode step's query, captured from the model's attention): printed with the share of the full
+selection's tokens it keeps and the share of the context its candidate pages hold.
 """
 
 from __future__ import annotations
@@ -186,7 +192,7 @@ def main() -> int:
                   f"{100 * statistics.fmean(x['all_needle'] for x in sub):.1f}% | "
                   f"{statistics.fmean(x['needle_evidence'] for x in sub):.4f} | {len(sub)} ({skipped} in the window) | "
                   + (f"{100 * statistics.fmean(x['kept_of_full'] for x in sub):.1f}% | "
-                     f"{100 * statistics.fmean(x['candidate_share'] for x in sub):.1f}% |" if "kept_of_full" in sub[0]
+                     f"{100 * statistics.fmean(x['candidate_share'] for x in sub):.1f}% |" if all("kept_of_full" in x for x in sub)
                      else "- | - |"))
     if args.out:
         with open(args.out, "w") as fh:

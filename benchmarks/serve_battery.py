@@ -134,7 +134,7 @@ def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
             rows.append({"engine": engine, "case": f"concurrent {i} {json.dumps(mixes[i])}", "status": status,
                          "texts": texts(j) if status == 200 else None})
     with urllib.request.urlopen(base + "/health", timeout=30) as r:
-        rows.append({"engine": engine, "case": "/health after all", "status": r.status})
+        rows.append({"engine": engine, "case": "/health after all", "status": r.status})  # no texts: status only
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
         metrics = [line for line in r.read().decode().splitlines()
                    if line.startswith(("sfi_", "vllm:spec_decode_num")) and "_bucket" not in line]
@@ -171,7 +171,7 @@ def table(rows: list[dict], engines_run: list[str]) -> str:
             r = next((x for x in rows if x["engine"] == e and x["case"] == case), None)
             if r is None:
                 cells.append("-")
-            elif e == "dense" or r["status"] != 200 or d["status"] != 200:
+            elif e == "dense" or r["status"] != 200 or d["status"] != 200 or "texts" not in r:
                 cells.append(str(r["status"]))
             else:
                 cells.append(f"200, {'as dense' if r.get('texts') == d.get('texts') else 'differs'}")

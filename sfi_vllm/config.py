@@ -510,6 +510,9 @@ class SFIConfig(EngineSettings, Policy):
 
     @model_validator(mode="after")
     def _cross_half_checks(self) -> "SFIConfig":
+        if self.experimental.candidate_pages and self.selector.page_size <= 1:
+            raise ValueError("experimental.candidate_pages needs page selection (selector.page_size > 1); "
+                             f"selector.page_size is {self.selector.page_size}")
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and no layer_interleaved_refresh")

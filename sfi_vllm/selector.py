@@ -28,6 +28,7 @@ This module is the plain-torch spec; GPU kernels must match it.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -101,7 +102,7 @@ def candidate_page_mask(bounds: torch.Tensor, k: int, multiple: float, cfg: Sele
     partial page."""
     hkv, pages = bounds.shape
     need = -(-k // cfg.page_size)
-    m = min(pages, max(int(-(-multiple * need // 1)), need + 1))
+    m = min(pages, max(math.ceil(multiple * need - 1e-9), need + 1))
     top = torch.topk(follow_spread(bounds, cfg), m, dim=-1).indices
     return torch.zeros(hkv, pages, dtype=torch.bool, device=bounds.device).scatter_(1, top, True)
 
@@ -183,19 +184,27 @@ class Selector:
 
     # all steps ----------------------------------------------------------------------------------
     def scores(
-        self, probs: torch.Tensor, key_norms: torch.Tensor, lo: int, hi: int, num_query_rows: int = 1
+        self, probs: torch.Tensor, key_norms: torch.Tensor, lo: int, hi: int, num_query_rows: int = 1,
+        kept: torch.Tensor | None = None,
     ) -> torch.Tensor | PageScores:
         """Final per-candidate scores ``(Hkv, hi - lo)``, higher kept first; in page mode the
-        :class:`PageScores` that :func:`top_k_pages` ranks."""
+        :class:`PageScores` that :func:`top_k_pages` ranks. ``kept (Hkv, hi - lo)``: only those
+        candidates are scored (``probs`` are zero elsewhere); the prior is normalised over them,
+        and the others score the floor."""
         f = self.evidence(probs, lo, hi)
         if self.cfg.smooth_kernel > 1:
             k = self.cfg.smooth_kernel
             f = F.avg_pool1d(f[:, None, :], kernel_size=k, stride=1, padding=k // 2,
                              count_include_pad=False)[:, 0, : f.shape[-1]]
         if self.cfg.use_prior:
-            log_s, _ = self.fuse(f, self.log_prior(key_norms), multi_row=probs.shape[1] * num_query_rows > 1)
+            log_r = self.log_prior(key_norms)
+            if kept is not None:  # the norms and positions of the scored candidates only
+                log_r = _log_normalize(torch.where(kept, log_r, float("-inf")))
+            log_s, _ = self.fuse(f, log_r, multi_row=probs.shape[1] * num_query_rows > 1)
         else:
             log_s = torch.log(f.clamp_min(_EPS)).clamp_min(_LOG_FLOOR)
+        if kept is not None:
+            log_s = torch.where(kept, log_s, _LOG_FLOOR)
         page = self.cfg.page_size
         token_log_s = log_s
         if page > 1:
@@ -223,8 +232,10 @@ class Selector:
         ``probs (Hkv, R, L)`` are the slow step's attention probabilities over the whole history
         (``R`` = query heads of the group x captured query rows); ``key_norms (Hkv, hi - lo)``.
         ``candidates (Hkv, P)`` (page mode, :func:`candidate_page_mask`): only those pages are
-        scored: the evidence is the attention on their tokens (what scoring their keys alone
-        gives), and no other page can be taken.
+        scored, as a re-selection that read only their keys would: the evidence is the attention
+        on their tokens, the prior is normalised over them (their key norms and positions), the
+        other pages score the floor through soft-NMS and exclusivity and cannot be taken. They
+        must hold at least ``k`` tokens per head.
         """
         hkv = probs.shape[0]
         n = hi - lo
@@ -238,9 +249,11 @@ class Selector:
             if self.cfg.page_size <= 1:
                 raise ValueError("candidate pages need page selection (selector.page_size > 1)")
             tokens_kept = candidates.repeat_interleave(self.cfg.page_size, dim=1)[:, :n]
+            if bool((tokens_kept.sum(1) < k).any()):
+                raise ValueError(f"the candidate pages hold fewer than the {k} tokens to select")
             probs = probs.clone()
             probs[..., lo:hi] *= tokens_kept[:, None, :]
-        s = self.scores(probs, key_norms, lo, hi, num_query_rows)
+        s = self.scores(probs, key_norms, lo, hi, num_query_rows, kept=tokens_kept)
         if tokens_kept is not None:
             assert isinstance(s, PageScores) and candidates is not None
             s = PageScores(torch.where(candidates, s.pages, float("-inf")),

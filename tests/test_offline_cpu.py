@@ -148,6 +148,13 @@ def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, c
     assert "leave --sfi out" in capsys.readouterr().err
     assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--sfi", '{"sinks": 2, "sinks": 4}']) == 2
     assert "'sinks' is given twice" in capsys.readouterr().err
+    # the engine flags are checked before the model is prepared (a missing directory is not reached)
+    missing = str(tmp_path / "no-model")
+    assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--model", missing, "--engine-kwargs", "[1]"]) == 2
+    assert "--engine-kwargs: must be a JSON object" in capsys.readouterr().err
+    assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--model", missing,
+                     "--speculative-config", '{"method": "draft_model"}']) == 2
+    assert "only as sfi.mode lossless" in capsys.readouterr().err
 
 
 def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_otherwise(tmp_path, capsys):
@@ -155,7 +162,7 @@ def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_othe
 
     def kwargs(*flags: str) -> dict:
         args = cli.build_parser().parse_args(["batch", "in.jsonl", "out.jsonl", *flags])
-        return cli.batch_engine_kwargs(args, "/models/m", cli._json_arg(args.sfi, "--sfi"), cuda=False)
+        return cli.batch_engine_kwargs(args, "/models/m", cli._batch_flags(args), cuda=False)
 
     lossless = kwargs("--sfi", '{"mode": "lossless"}')
     assert lossless["speculative_config"] == {"method": "draft_model", "model": "/models/m",
@@ -169,8 +176,12 @@ def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_othe
         "speculative_config"] == given
     assert capsys.readouterr().err == ""  # given: nothing filled in, nothing said
     assert "speculative_config" not in kwargs() and "speculative_config" not in kwargs("--attention-backend", "dense")
+    # vLLM's own speculative decoding under dense attention is passed on as it is
+    assert kwargs("--attention-backend", "dense", "--speculative-config", json.dumps(given))["speculative_config"] == given
     with pytest.raises(cli.UsageError, match="given twice"):
-        kwargs("--speculative-config", "{}", "--engine-kwargs", '{"speculative_config": {}}')
+        kwargs("--sfi", '{"mode": "lossless"}', "--speculative-config", "{}", "--engine-kwargs", '{"speculative_config": {}}')
+    with pytest.raises(cli.UsageError, match="only as sfi.mode lossless"):
+        kwargs("--speculative-config", json.dumps(given))  # the lossy mode
 
 
 def test_batch_sampling_takes_logit_bias_keys_as_token_ids():

@@ -367,3 +367,14 @@ def test_selection_from_candidate_pages_takes_only_them_and_all_of_them_changes_
     assert all(bool(mask[h, (got[h] - lo) // 8].all()) for h in range(hkv))
     with pytest.raises(ValueError, match="page selection"):
         Selector(SelectorConfig(page_size=1)).select(probs, norms, lo, hi, k, candidates=mask)
+    few = torch.zeros(hkv, pages, dtype=torch.bool)
+    few[:, :4] = True  # 32 tokens per head, fewer than k
+    with pytest.raises(ValueError, match="fewer than the 40 tokens"):
+        sel.select(probs, norms, lo, hi, k, candidates=few)
+
+
+def test_candidate_pages_need_page_selection():
+    from sfi_vllm.config import SFIConfigError, build_config
+
+    with pytest.raises(SFIConfigError, match="candidate_pages needs page selection"):
+        build_config({"experimental": {"candidate_pages": 8}, "selector": {"page_size": 1}}, use_env=False)

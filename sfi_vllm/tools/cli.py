@@ -135,28 +135,36 @@ def _cmd_config(args: argparse.Namespace) -> int:
 LOSSLESS_DRAFTS = 8  # drafts per verify that sfi-vllm batch gives sfi.mode lossless by default (docs/lossless.md)
 
 
-def _batch_sfi_mode(args: argparse.Namespace, engine_sfi: dict[str, Any]) -> str | None:
-    """The engine's ``sfi.mode``, validating ``--sfi`` before anything loads; None for dense."""
-    if args.attention_backend.lower() == "dense":
-        if engine_sfi:
-            raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
-        return None
-    from sfi_vllm.config import build_config
-
-    return build_config(engine_sfi).mode
-
-
-def batch_engine_kwargs(args: argparse.Namespace, model: str, engine_sfi: dict[str, Any], cuda: bool) -> dict[str, Any]:
-    """``vllm.LLM``'s keyword arguments for ``sfi-vllm batch``. Under ``sfi.mode: lossless`` with no
-    speculative config given (``--speculative-config`` or ``--engine-kwargs``), the model drafts for
-    itself with vLLM's ``draft_model`` method and ``LOSSLESS_DRAFTS`` drafts per verify, said on
-    stderr: the mode runs with no other speculative config, less the number of drafts."""
-    mode = _batch_sfi_mode(args, engine_sfi)
+def _batch_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``sfi-vllm batch``'s engine flags, checked before anything loads: ``sfi`` (``--sfi``), the
+    engine's ``mode`` (None for dense), ``engine_kwargs`` and ``spec`` (``--speculative-config``)."""
+    engine_sfi = _json_arg(args.sfi, "--sfi")
     engine_kwargs = _json_arg(args.engine_kwargs, "--engine-kwargs")
     spec = _json_arg(args.speculative_config, "--speculative-config") if args.speculative_config else None
     if spec is not None and "speculative_config" in engine_kwargs:
         raise UsageError("the speculative config is given twice: in --speculative-config and in --engine-kwargs")
-    if mode == "lossless" and spec is None and "speculative_config" not in engine_kwargs:
+    mode = None
+    if args.attention_backend.lower() == "dense":
+        if engine_sfi:
+            raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
+    else:
+        from sfi_vllm.config import build_config
+
+        mode = build_config(engine_sfi).mode  # a bad setting stops here
+        if mode != "lossless" and (spec is not None or "speculative_config" in engine_kwargs):
+            raise UsageError("a speculative config runs with SFI only as sfi.mode lossless: add "
+                             '--sfi \'{"mode": "lossless"}\', or leave the speculative config out')
+    return dict(sfi=engine_sfi, mode=mode, engine_kwargs=engine_kwargs, spec=spec)
+
+
+def batch_engine_kwargs(args: argparse.Namespace, model: str, flags: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    """``vllm.LLM``'s keyword arguments for ``sfi-vllm batch`` (``flags``: :func:`_batch_flags`). Under
+    ``sfi.mode: lossless`` with no speculative config given (``--speculative-config`` or
+    ``--engine-kwargs``), the model drafts for itself with vLLM's ``draft_model`` method and
+    ``LOSSLESS_DRAFTS`` drafts per verify, said on stderr: the mode runs with no other speculative
+    config, less the number of drafts."""
+    spec, engine_kwargs = flags["spec"], flags["engine_kwargs"]
+    if flags["mode"] == "lossless" and spec is None and "speculative_config" not in engine_kwargs:
         spec = {"method": "draft_model", "model": model, "num_speculative_tokens": LOSSLESS_DRAFTS}
         print(f"sfi-vllm batch: sfi.mode lossless: the model drafts for itself, {LOSSLESS_DRAFTS} drafts per "
               "verify (--speculative-config to change)", file=sys.stderr)
@@ -166,8 +174,8 @@ def batch_engine_kwargs(args: argparse.Namespace, model: str, engine_sfi: dict[s
         kwargs["max_model_len"] = args.max_model_len
     if args.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if mode is not None:
-        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": engine_sfi})
+    if flags["mode"] is not None:
+        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": flags["sfi"]})
     if spec is not None:
         kwargs["speculative_config"] = spec
     kwargs.update(engine_kwargs)
@@ -177,8 +185,7 @@ def batch_engine_kwargs(args: argparse.Namespace, model: str, engine_sfi: dict[s
 def _cmd_batch(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, read_input_lines, run_batch
 
-    engine_sfi = _json_arg(args.sfi, "--sfi")
-    _batch_sfi_mode(args, engine_sfi)  # a bad setting stops here, before the files are read or the engine loads
+    flags = _batch_flags(args)  # bad flags stop here, before the files are read or the engine loads
     try:  # the files, before the engine loads
         read_input_lines(args.input, args.output)
     except BatchFileError as e:
@@ -188,8 +195,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
     from vllm import LLM
 
-    kwargs = batch_engine_kwargs(args, model, engine_sfi, cuda=torch.cuda.is_available())
-
+    kwargs = batch_engine_kwargs(args, model, flags, cuda=torch.cuda.is_available())
     llm = LLM(**kwargs)
     t = run_batch(args.input, args.output, llm, max_tokens=args.max_tokens,
                   max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
@@ -271,6 +277,11 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"sfi-vllm fidelity: {e}", file=sys.stderr)
             return 2
+    engine_sfi = _json_arg(args.sfi, "--sfi")
+    if engine_sfi:
+        from sfi_vllm.config import build_config
+
+        build_config(engine_sfi)  # a bad setting stops here, before the engine loads
     if args.from_raw:
         rows = rows_from_raw(args.from_raw, args.out)
     else:
@@ -280,7 +291,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
                             instruction=args.instruction, free_running=not args.no_free_running,
                             ignore_eos=not args.stop_at_eos, max_num_seqs=args.max_num_seqs,
                             model=args.model, dtype=args.dtype,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            engine_kwargs={"additional_config": {"sfi": engine_sfi}} if engine_sfi else None)
     raw = args.from_raw or args.raw  # the paired table needs the per-document records
     table = markdown(rows, command="sfi-vllm " + " ".join(sys.argv[1:]),
                      paired=paired_top1(load_raw(raw)) if raw else None)
@@ -407,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--tokens", type=_positive_int, default=128, help="T: teacher-forced decode steps per document")
     fid.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each document")
     fid.add_argument("--seed", type=int, default=0, help="chooses the documents")
+    fid.add_argument("--sfi", default=None,
+                     help="JSON: the SFI engine's own settings, under every policy's (e.g. "
+                          "'{\"experimental\": {\"candidate_pages\": 8}}')")
     fid.add_argument("--no-free-running", action="store_true", help="skip the free-running divergence runs")
     fid.add_argument("--stop-at-eos", action="store_true",
                      help="let dense's continuation end at EOS (default: T tokens, EOS ignored)")
