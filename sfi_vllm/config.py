@@ -131,9 +131,10 @@ class ExperimentalConfig(_StrictNumbers):
         "bound (the page's per-dimension key min/max against the query heads of the group) is among "
         "the highest max(this x ceil(K / page), ceil(K / page) + 1), each page's bound spread over "
         "follow_pages as the Selector spreads page scores; the evidence is the attention on those "
-        "pages' tokens. What a re-selection that reads the page bounds and a share of the keys, instead "
-        "of every key, would keep (benchmarks/results/candidate-pages-cpu.md); the GPU kernels score "
-        "every key. 0 (default): every page",
+        "pages' tokens, the prior is normalised over them, the other pages cannot be taken. What a "
+        "re-selection that read the page bounds and those pages' keys, instead of every key, would "
+        "keep (benchmarks/results/candidate-pages-cpu.md); the reference still reads every key, and "
+        "the GPU kernels refuse it. 0 (default): every page",
     )
     synthetic_acceptance: bool = Field(
         False,
