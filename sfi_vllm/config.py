@@ -133,7 +133,7 @@ class ExperimentalConfig(_StrictNumbers):
         "follow_pages as the Selector spreads page scores; the evidence is the attention on those "
         "pages' tokens, the prior is normalised over them, the other pages cannot be taken. What a "
         "re-selection that read the page bounds and those pages' keys, instead of every key, would "
-        "keep (benchmarks/results/candidate-pages-cpu.md); the reference still reads every key, and "
+        "keep (benchmarks/results/candidate-pages-cpu.md); the reference reads every key all the same, and "
         "the GPU kernels refuse it. 0 (default): every page",
     )
     synthetic_acceptance: bool = Field(
@@ -512,8 +512,9 @@ class SFIConfig(EngineSettings, Policy):
     @model_validator(mode="after")
     def _cross_half_checks(self) -> "SFIConfig":
         if self.experimental.candidate_pages and self.selector.page_size <= 1:
-            raise ValueError("experimental.candidate_pages needs page selection (selector.page_size > 1); "
-                             f"selector.page_size is {self.selector.page_size}")
+            raise ValueError("experimental.candidate_pages (an engine setting) needs page selection: "
+                             f"selector.page_size must be > 1, not {self.selector.page_size} (the paper "
+                             "preset selects token by token)")
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and no layer_interleaved_refresh")

@@ -189,13 +189,18 @@ class Selector:
     ) -> torch.Tensor | PageScores:
         """Final per-candidate scores ``(Hkv, hi - lo)``, higher kept first; in page mode the
         :class:`PageScores` that :func:`top_k_pages` ranks. ``kept (Hkv, hi - lo)``: only those
-        candidates are scored (``probs`` are zero elsewhere); the prior is normalised over them,
-        and the others score the floor."""
+        candidates are scored: the evidence and the prior are normalised over them, and the other
+        tokens score the floor."""
         f = self.evidence(probs, lo, hi)
         if self.cfg.smooth_kernel > 1:
             k = self.cfg.smooth_kernel
             f = F.avg_pool1d(f[:, None, :], kernel_size=k, stride=1, padding=k // 2,
                              count_include_pad=False)[:, 0, : f.shape[-1]]
+        if kept is not None:  # the evidence on the scored candidates only (uniform over them if none)
+            f = torch.where(kept, f, 0.0)
+            total = f.sum(dim=-1, keepdim=True)
+            uniform = kept / kept.sum(dim=-1, keepdim=True).clamp_min(1)
+            f = torch.where(total > 0, f / total.clamp_min(_EPS), uniform)
         if self.cfg.use_prior:
             log_r = self.log_prior(key_norms)
             if kept is not None:  # the norms and positions of the scored candidates only
@@ -234,8 +239,9 @@ class Selector:
         ``candidates (Hkv, P)`` (page mode, :func:`candidate_page_mask`): only those pages are
         scored, as a re-selection that read only their keys would: the evidence is the attention
         on their tokens, the prior is normalised over them (their key norms and positions), the
-        other pages score the floor through soft-NMS and exclusivity and cannot be taken. They
-        must hold at least ``k`` tokens per head.
+        other pages' tokens score the floor (``follow_pages`` still spreads a candidate page's
+        score onto the pages after it) and those pages cannot be taken. They must hold at least
+        ``k`` tokens per head.
         """
         hkv = probs.shape[0]
         n = hi - lo

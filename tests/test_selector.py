@@ -376,5 +376,30 @@ def test_selection_from_candidate_pages_takes_only_them_and_all_of_them_changes_
 def test_candidate_pages_need_page_selection():
     from sfi_vllm.config import SFIConfigError, build_config
 
-    with pytest.raises(SFIConfigError, match="candidate_pages needs page selection"):
+    with pytest.raises(SFIConfigError, match=r"candidate_pages \(an engine setting\) needs page selection"):
         build_config({"experimental": {"candidate_pages": 8}, "selector": {"page_size": 1}}, use_env=False)
+
+
+def test_candidate_scores_are_the_fusion_over_the_candidates_alone(rng):
+    """With candidates, each kept token's fused score is what the Selector computes from the
+    candidates' evidence and prior alone (both normalised over them); the others score the floor."""
+    from sfi_vllm.selector import _LOG_FLOOR, _log_normalize
+
+    cfg = SelectorConfig(page_size=8, use_exclusivity=False)
+    sel = Selector(cfg)
+    hkv, lo, hi = 3, 4, 204
+    probs = _probs(hkv, 4, 230, rng)
+    norms = torch.rand(hkv, hi - lo, generator=rng) + 0.5
+    pages = -(-(hi - lo) // 8)
+    mask = torch.zeros(hkv, pages, dtype=torch.bool)
+    mask[:, ::3] = True
+    kept = mask.repeat_interleave(8, dim=1)[:, : hi - lo]
+    cols = kept[0].nonzero().flatten()
+    restricted = probs.clone()
+    restricted[..., lo:hi] *= kept[:, None, :]
+    got = sel.scores(restricted, norms, lo, hi, kept=kept).tokens
+    f_c = sel.evidence(probs[..., lo:hi][..., cols], 0, len(cols))
+    log_r_c = _log_normalize(sel.log_prior(norms)[:, cols])
+    want, _ = sel.fuse(f_c, log_r_c, multi_row=True)
+    assert torch.allclose(got[:, cols], want, atol=1e-5)
+    assert (got[~kept] == _LOG_FLOOR).all()
