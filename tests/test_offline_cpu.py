@@ -145,7 +145,7 @@ def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, c
     assert "the output is the input" in capsys.readouterr().err
     assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--attention-backend", "dense",
                      "--sfi", '{"sinks": 2}']) == 2
-    assert "leave --sfi out" in capsys.readouterr().err
+    assert "leave them out" in capsys.readouterr().err
     assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--sfi", '{"sinks": 2, "sinks": 4}']) == 2
     assert "'sinks' is given twice" in capsys.readouterr().err
     # the engine flags are checked before the model is prepared (a missing directory is not reached)
@@ -182,6 +182,27 @@ def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_othe
         kwargs("--sfi", '{"mode": "lossless"}', "--speculative-config", "{}", "--engine-kwargs", '{"speculative_config": {}}')
     with pytest.raises(cli.UsageError, match="only as sfi.mode lossless"):
         kwargs("--speculative-config", json.dumps(given))  # the lossy mode
+    # SFI settings inside --engine-kwargs count as --sfi's: the mode's defaults follow them, and
+    # the other keys of additional_config are kept beside them
+    inside = kwargs("--engine-kwargs", json.dumps({"additional_config": {"sfi": {"mode": "lossless"}, "other": 1}}))
+    assert inside["additional_config"] == {"sfi": {"mode": "lossless"}, "other": 1}
+    assert inside["speculative_config"]["num_speculative_tokens"] == cli.LOSSLESS_DRAFTS
+    assert kwargs("--engine-kwargs", '{"additional_config": {"other": 1}}')["additional_config"] == {"sfi": {}, "other": 1}
+    assert kwargs("--attention-backend", "dense", "--engine-kwargs", '{"additional_config": {"other": 1}}')[
+        "additional_config"] == {"other": 1}
+    with pytest.raises(cli.UsageError, match="given twice"):
+        kwargs("--sfi", '{"sinks": 2}', "--engine-kwargs", '{"additional_config": {"sfi": {"sinks": 4}}}')
+    with pytest.raises(cli.UsageError, match="leave them out"):
+        kwargs("--attention-backend", "dense", "--engine-kwargs", '{"additional_config": {"sfi": {"sinks": 4}}}')
+    with pytest.raises(cli.UsageError, match="only as sfi.mode lossless"):
+        kwargs("--engine-kwargs", json.dumps({"additional_config": {"sfi": {"mode": "lossy"}}}),
+               "--speculative-config", json.dumps(given))
+    with pytest.raises(cli.UsageError, match="must be a JSON object"):
+        kwargs("--engine-kwargs", '{"additional_config": {"sfi": 3}}')
+    from sfi_vllm.config import SFIConfigError
+
+    with pytest.raises(SFIConfigError, match="recent_window"):
+        kwargs("--engine-kwargs", '{"additional_config": {"sfi": {"recent_window": -1}}}')
 
 
 def test_batch_sampling_takes_logit_bias_keys_as_token_ids():

@@ -209,6 +209,11 @@ def test_model_dir_check(tmp_path, capsys):
     assert cli.main(["eval", "--model", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert cli.main(["fidelity", "--model", str(tmp_path / "nope")]) == 2
+    capsys.readouterr()
+    # a bad engine setting is named first, whatever the model directory
+    assert cli.main(["fidelity", "--model", str(tmp_path / "nope"), "--sfi", '{"recent_window": 0}']) == 2
+    err = capsys.readouterr().err
+    assert "recent_window" in err and "no such directory" not in err
 
 
 def test_dtype_and_engine_options_parse():

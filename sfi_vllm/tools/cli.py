@@ -143,10 +143,21 @@ def _batch_flags(args: argparse.Namespace) -> dict[str, Any]:
     spec = _json_arg(args.speculative_config, "--speculative-config") if args.speculative_config else None
     if spec is not None and "speculative_config" in engine_kwargs:
         raise UsageError("the speculative config is given twice: in --speculative-config and in --engine-kwargs")
+    extra = engine_kwargs.get("additional_config")
+    if extra is not None and not isinstance(extra, dict):
+        raise UsageError("--engine-kwargs: additional_config must be a JSON object")
+    if extra and "sfi" in extra:  # the SFI settings there count as --sfi's (the mode decides the defaults below)
+        if args.sfi:
+            raise UsageError("the SFI settings are given twice: in --sfi and in --engine-kwargs' additional_config")
+        if not isinstance(extra["sfi"], dict):
+            raise UsageError("--engine-kwargs: additional_config.sfi must be a JSON object")
+        engine_sfi = extra["sfi"]
+        engine_kwargs = {**engine_kwargs, "additional_config": {k: v for k, v in extra.items() if k != "sfi"}}
     mode = None
     if args.attention_backend.lower() == "dense":
         if engine_sfi:
-            raise UsageError("--sfi: the engine runs dense attention (--attention-backend dense); leave --sfi out")
+            raise UsageError("SFI settings (--sfi, or additional_config.sfi in --engine-kwargs): the engine runs "
+                             "dense attention (--attention-backend dense); leave them out")
     else:
         from sfi_vllm.config import build_config
 
@@ -174,11 +185,15 @@ def batch_engine_kwargs(args: argparse.Namespace, model: str, flags: dict[str, A
         kwargs["max_model_len"] = args.max_model_len
     if args.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    extra = dict(engine_kwargs.get("additional_config") or {})  # without "sfi": _batch_flags took it out
     if flags["mode"] is not None:
-        kwargs.update(attention_backend=args.attention_backend, additional_config={"sfi": flags["sfi"]})
+        kwargs.update(attention_backend=args.attention_backend)
+        extra["sfi"] = flags["sfi"]
     if spec is not None:
         kwargs["speculative_config"] = spec
-    kwargs.update(engine_kwargs)
+    kwargs.update({k: v for k, v in engine_kwargs.items() if k != "additional_config"})
+    if extra:
+        kwargs["additional_config"] = extra
     return kwargs
 
 
@@ -269,6 +284,11 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     from sfi_vllm.tools.quality.fidelity import load_raw, markdown, paired_top1, rows_from_raw, run_fidelity
 
+    engine_sfi = _json_arg(args.sfi, "--sfi")
+    if engine_sfi:
+        from sfi_vllm.config import build_config
+
+        build_config(engine_sfi)  # a bad setting stops here, before the model or the engine loads
     if args.model is not None and not args.from_raw:
         from sfi_vllm.tools.quality.runner import check_model_dir
 
@@ -277,11 +297,6 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"sfi-vllm fidelity: {e}", file=sys.stderr)
             return 2
-    engine_sfi = _json_arg(args.sfi, "--sfi")
-    if engine_sfi:
-        from sfi_vllm.config import build_config
-
-        build_config(engine_sfi)  # a bad setting stops here, before the engine loads
     if args.from_raw:
         rows = rows_from_raw(args.from_raw, args.out)
     else:
