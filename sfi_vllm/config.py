@@ -104,37 +104,33 @@ class ExperimentalConfig(_StrictNumbers):
 
     selector_top_k: Literal["auto", "torch", "triton"] = Field(
         "auto",
-        description="GPU kernel path, where the fused Selector runs: the top-K of its scores. "
-        "auto (default): page selection by one Triton launch per call (kernels/top_k_pages.py; "
-        "0.47-0.58x the time of torch's on the H200, benchmarks/results/topk-pages-h200.md; page "
-        "sizes that are powers of two up to 32, others take torch's), "
-        "token-level selection by torch.topk and torch.sort; torch: torch's for both (the "
-        "reference; over pages a dozen launches); triton: Triton kernels for both (token-level: a "
-        "radix select that writes the chosen positions in order, slower than torch except at "
-        "narrow frames, benchmarks/results/topk-h200.md). The Triton kernels give ties between "
-        "scores to the lower position or page",
+        description=(
+            "GPU kernel path: the top-K after the fused Selector. auto: page selection by one Triton "
+            "launch (page sizes that are powers of two up to 32; others take torch's), token-level "
+            "selection by torch.topk; torch: torch's for both (the reference); triton: Triton kernels for "
+            "both (the token-level one is slower than torch's except at narrow frames). The Triton "
+            "kernels give ties to the lower position or page (docs/settings.md)"
+        ),
     )
     keys_only_scores: Literal["refresh", "fast_kernel"] = Field(
         "refresh",
-        description="GPU kernel path, slow steps of requests with slow_attention keys inside a CUDA "
-        "graph, with fused score buffers: the refresh after the step scores their rows' keys with the "
-        "score kernel, into the fused buffers (refresh, default; a first selection, which attends "
-        "densely, too), or the fast-step kernel does, in a pass over the keys after each row's "
-        "attention (fast_kernel: on the attention's few programs per row, at about half the GPU's "
-        "bandwidth, and far slower when one row of a batch is scored; "
-        "benchmarks/results/fused-scores-h200.md)",
+        description=(
+            "GPU kernel path, keys-only slow rows inside a CUDA graph with fused score buffers: who "
+            "scores their keys. refresh: the score kernel, in the refresh after the step; fast_kernel: "
+            "the fast-step kernel, after each row's attention (about half the GPU's bandwidth there; "
+            "docs/settings.md)"
+        ),
     )
     candidate_pages: float = Field(
         0.0, ge=0.0, le=1024.0,
-        description="the torch reference path only (the CPU; kernels torch on a GPU), page selection "
-        "(selector.page_size > 1): a re-selection scores only the pages, per KV head, whose Quest "
-        "bound (the page's per-dimension key min/max against the query heads of the group) is among "
-        "the highest max(this x ceil(K / page), ceil(K / page) + 1), each page's bound spread over "
-        "follow_pages as the Selector spreads page scores; the evidence is the attention on those "
-        "pages' tokens, the prior is normalised over them, the other pages cannot be taken. What a "
-        "re-selection that read the page bounds and those pages' keys, instead of every key, would "
-        "keep (benchmarks/results/candidate-pages-cpu.md); the reference reads every key all the same, and "
-        "the GPU kernels refuse it. 0 (default): every page",
+        description=(
+            "the torch reference path only (the GPU kernels refuse it), page selection "
+            "(selector.page_size > 1): a re-selection scores only the max(this x ceil(K / page), ceil(K / "
+            "page) + 1) pages per KV head with the highest Quest bound (the page's key min/max against "
+            "the group's queries, spread over follow_pages); the evidence and the prior are normalised "
+            "over them. It measures what a re-selection that read only the page bounds and those pages' "
+            "keys would keep (docs/selection.md). 0: every page"
+        ),
     )
     synthetic_acceptance: bool = Field(
         False,
@@ -269,23 +265,12 @@ class Policy(_SettingsModel):
     )
     reuse_stagger: bool = Field(
         True,
-        description="spread the reuse-budget phase over requests: the first reuse interval after a "
-        "request's first selection is shortened by an offset in [0, reuse_budget) derived from its "
-        "context length at that selection and its prompt's tokens (a CRC-32 of their ids), so that "
-        "requests with different prompts that started together, of one length or not, do not all run "
-        "their budget's slow step on the same decode step (their phases are independent draws; the "
-        "same prompt keeps the same phase, whatever its batch; "
-        "later intervals are the full budget; the request's statistics report the offset as "
-        "reuse_offset). On by default: a step in which "
-        "every row of a batch re-selects costs more than a dense step, while one that re-selects a "
-        "single row costs about half of one. On the H200, 16 requests at 16K that started together: "
-        "ITL p99 13.0 ms against 19.2 in lockstep (dense's 13.0-13.1), p90 6.3 against 5.2 (a "
-        "quarter of the steps then re-select one row), throughput 0-2% lower, with lengths a token "
-        "apart and the offset then from the length alone (benchmarks/results/e2e-h200-itl.md); of "
-        "one length, with this offset, p99 13.2 against 19.0-19.2 "
-        "(dense's 13.4-13.5), throughput 2.4-3.1% lower (e2e-h200-same-length.md). A request's "
-        "first selection still falls on the same "
-        "step for rows that start together. false: requests that start together refresh together",
+        description=(
+            "spread the reuse-budget phase over requests: the first reuse interval after a request's "
+            "first selection is shortened by an offset in [0, reuse_budget) drawn from its context length "
+            "and prompt tokens, so that requests that start together do not all re-select on the same "
+            "step (statistics: reuse_offset). false: they re-select together (docs/settings.md)"
+        ),
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
                          description="min fast steps between slow steps (at most reuse_budget: a request that sets "
@@ -298,25 +283,22 @@ class Policy(_SettingsModel):
     )
     slow_attention: Literal["keys", "dense"] = Field(
         "keys",
-        description="what a slow step's own token attends to. keys: the working set it already has, "
-        "as a fast step does, while the slow step reads the keys alone to choose the next set "
-        "(no values: on the H200 a slow step of 0.90x a dense step at 6 x 128K, 1.28-1.71x at the "
-        "other points measured, against 1.71-2.03x with dense; benchmarks/results/e2e-h200-keys.md); "
-        "dense: the whole context (the paper's). The first selection after a prefill attends "
-        "densely either way. In sfi.mode lossless this is the drafter's re-selecting first pass (one "
-        "token per row, drafter_kv shared; with own it attends densely): keys drafts its first token "
-        "from the previous set, dense drafts the model's own token (docs/lossless.md)",
+        description=(
+            "what a slow step's own token attends to. keys: the working set it already has, as a fast "
+            "step does, while the step reads the keys alone to choose the next set (no values); dense: "
+            "the whole context (the paper's). A first selection after a prefill attends densely either "
+            "way. In sfi.mode lossless: the drafter's re-selecting first pass (docs/settings.md, "
+            "docs/lossless.md)"
+        ),
     )
     draft_reselect: Literal["verify", "reuse_budget", "rejection"] = Field(
         "verify",
-        description="sfi.mode lossless: when the drafter re-selects. verify: after every verify step "
-        "(the drafter's first pass re-selects at the token just sampled; slow_attention says what "
-        "that token attends to). reuse_budget: once reuse_budget tokens have been verified since its last "
-        "selection; the first passes in between are fast steps, which saves the re-selection per verify "
-        "(with drafter_kv own they also compute the drafter's KV of the verified tokens sparsely). "
-        "rejection: after a verify step that rejected a draft, and once reuse_budget tokens have been "
-        "verified since the last selection; a verify that kept every draft keeps the sets "
-        "(docs/lossless.md)",
+        description=(
+            "sfi.mode lossless: when the drafter re-selects. verify: at every verify step; reuse_budget: "
+            "once reuse_budget tokens have been verified since its last selection (the first passes in "
+            "between are fast steps); rejection: after a verify step that rejected a draft, and at the "
+            "reuse budget (docs/lossless.md)"
+        ),
     )
 
     # Selection.
@@ -386,12 +368,13 @@ class EngineSettings(_SettingsModel):
 
     mode: Literal["lossy", "lossless"] = Field(
         "lossy",
-        description="lossy: decode steps attend to the working set (fast steps, and slow steps "
-        "with slow_attention keys) or densely, and the output is what those steps sample. lossless: SFI attends only in a drafter, the same "
-        "checkpoint under vLLM's draft_model speculative decoding (--speculative-config with "
-        "method draft_model and this model), whose tokens the model verifies with dense attention: "
-        "greedy output is dense's (in bf16, where the verify pass rounds differently from a decode step, "
-        "speculative decoding's), sampled output follows dense's distribution (docs/lossless.md)",
+        description=(
+            "lossy: decode steps attend to the working set (or densely) and the output is what they "
+            "sample. lossless: SFI attends only in a drafter, the same checkpoint under vLLM's "
+            "draft_model speculative decoding (--speculative-config), whose tokens the model verifies "
+            "with dense attention: greedy output is dense's (in bf16, that of speculative decoding with "
+            "an exact drafter), sampled output follows dense's distribution (docs/lossless.md)"
+        ),
     )
 
     # The boundary trigger's vocabulary and how it reads the sampled tokens.
@@ -401,12 +384,12 @@ class EngineSettings(_SettingsModel):
     )
     boundary_read: Literal["auto", "exact", "lagged"] = Field(
         "auto",
-        description="how the boundary trigger learns the sampled tokens. exact: a step whose "
-        "decision needs its input token reads it to the host (on a GPU a device sync that waits for "
-        "the previous step). lagged: every step's tokens are copied to the host asynchronously and "
-        "the trigger sees each token one step later, so a boundary slow step fires one token later "
-        "and no step waits for the step before it. auto: lagged where the tokens are on a GPU, "
-        "exact where they are on the CPU (reading them costs nothing there)",
+        description=(
+            "how the boundary trigger learns the sampled tokens. exact: read to the host when a decision "
+            "needs it (on a GPU a sync with the previous step); lagged: copied to the host "
+            "asynchronously, the trigger seeing each token one step later (a boundary slow step fires a "
+            "token later, no step waits); auto: lagged on a GPU, exact on the CPU"
+        ),
     )
 
     # GPU kernel path: kernels, streams, CUDA graphs, buffers.
@@ -422,17 +405,12 @@ class EngineSettings(_SettingsModel):
     )
     refresh_overlap: bool = Field(
         False,
-        description="GPU kernel path, lossy mode: the next step decodes while a slow step's per-step "
-        "refresh (selection and repack on the second stream) is still running, instead of waiting "
-        "for it. A row re-selected on one step then attends through its previous compact set for "
-        "one more step and through the new set from the step after that. The next step still waits "
-        "when it cannot run beside the refresh: a step that is not one uniform launch (prefill "
-        "chunks, eager slow rows, per-layer refreshes), one whose own slow rows have their scores "
-        "written by the fast-step kernel, or "
-        "a refresh that makes some row's first selection (such a row has no earlier set to read). "
-        "Needs side_stream and mode lossy. Off by default: on the H200 it changed throughput against waiting by "
-        "-12% to +8% (mean +0.7%) with a slow step every 20 fast steps and by -1% to +2% at the "
-        "default's rate (benchmarks/results/e2e-h200-overlap.md)",
+        description=(
+            "GPU kernel path, lossy mode, needs side_stream: the next step decodes while a slow step's "
+            "per-step refresh is still running, a re-selected row attending through its previous set for "
+            "one more step; steps that cannot run beside the refresh still wait. Off by default: -12% to "
+            "+8% throughput against waiting on the H200 (docs/settings.md)"
+        ),
     )
     slow_refresh: Literal["auto", "per_layer", "per_step"] = Field(
         "auto",
@@ -444,50 +422,41 @@ class EngineSettings(_SettingsModel):
     )
     slow_in_graph: bool | None = Field(
         None,
-        description="GPU kernel path: a step whose slow rows all take the per-step refresh (no "
-        "layer interleaving, the Selector needed for every row) runs as a uniform step, in the full "
-        "CUDA graph of a fast step: the slow rows attend in the fast-step kernel (densely, or through "
-        "their sets with slow_attention keys), which also stages every row's query for the refresh "
-        "after the step. Unset (default): on wherever the "
-        "other settings allow it (slow_refresh auto or per_step, no layer_interleaved_refresh); "
-        "true: the same, and an error if they exclude it; false: off (slow steps run eagerly)",
+        description=(
+            "GPU kernel path: a step whose slow rows all take the per-step refresh runs in the full CUDA "
+            "graph of a fast step (the slow rows attend in the fast-step kernel, which stages their "
+            "queries for the refresh). Unset: wherever the other settings allow it (slow_refresh auto or "
+            "per_step, no layer_interleaved_refresh); true: the same, an error where they exclude it; "
+            "false: slow steps run eagerly"
+        ),
     )
     fused_scores_tokens: Literal["auto"] | NonNegativeInt = Field(
         "auto",
-        description="GPU kernel path, slow steps inside CUDA graphs (slow_in_graph): buffers for the "
-        "slow rows' logits and key norms. Rows of slow_attention dense requests: the fast-step kernel "
-        "writes them from the keys their attention reads anyway, so the refresh after the step runs no "
-        "score kernel for them; rows of slow_attention keys requests: the refresh's score kernel writes "
-        "them (experimental.keys_only_scores; fast_kernel: the fast-step kernel does), with no scratch "
-        "while their frames fit. "
-        "The value sizes the buffer, allocated at "
-        "start-up: frame tokens of one step's slow rows (each row's context rounded up to 2048); a "
-        "group of a step's slow rows that does not fit is scored into a scratch buffer after the step, "
-        "as with 0 (logged once, counted in fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto "
-        "(default): on wherever slow_in_graph runs, sized to at most 2 GiB and 2% of the GPU's "
-        "memory, and at most max_num_seqs x max_model_len (rounded up to 2048); 0: off",
+        description=(
+            "GPU kernel path, slow_in_graph: buffers allocated at start-up for the slow rows' logits and "
+            "key norms, in frame tokens of one step's slow rows (each row's context rounded up to 2048); "
+            "rows that do not fit are scored into scratch after the step (counted in fused_score_misses). "
+            "Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto: at most 2 GiB, 2% of the "
+            "GPU's memory and max_num_seqs x max_model_len; 0: off (docs/settings.md)"
+        ),
     )
     drafter_graphs: bool = Field(
         True,
-        description="sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run "
-        "the drafter's one-token "
-        "passes (with drafter_kv shared the first pass too) as full CUDA graphs, one per padded batch "
-        "size, each captured at its first use after one piecewise run (a one-off pause; the graphs' "
-        "memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a drafter piecewise graphs only, "
-        "and its eager passes are host-bound. On an H200 at 8 x 32K: 1.13-1.19x dense with every pass "
-        "replayed, 0.83x with vLLM's multi-token first pass, dense and piecewise (parts 8 and 7 of "
-        "benchmarks/results/lossless-h200.md); false has not run with the verify step in a graph "
-        "(0.26x without one, part 4)",
+        description=(
+            "sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run the drafter's "
+            "one-token passes as full CUDA graphs, one per padded batch size, each captured at its first "
+            "use (a one-off pause; their memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a "
+            "drafter piecewise graphs only, whose passes are host-bound (docs/settings.md)"
+        ),
     )
     drafter_kv: Literal["shared", "own"] = Field(
         "shared",
-        description="sfi.mode lossless: where the drafter keeps its keys and values. shared "
-        "(default): the drafter reads the model's KV cache, which the model's dense passes wrote, "
-        "and writes only the tokens the model has not computed yet (the token just sampled and the "
-        "drafts, which the next verify overwrites), so the pool holds twice the tokens and the "
-        "drafter's context is the model's own; its first pass then runs the token just sampled alone "
-        "(one token per row). own: the drafter keeps a KV cache as large as the "
-        "model's and computes its own entries, as vLLM's draft_model method does (docs/lossless.md)",
+        description=(
+            "sfi.mode lossless: where the drafter keeps its keys and values. shared: it reads the model's "
+            "KV cache and writes only the tokens the model has not computed yet, so the pool holds twice "
+            "the tokens and its first pass is one token per row; own: a cache as large as the model's, "
+            "with its own entries, as vLLM's draft_model method keeps (docs/lossless.md)"
+        ),
     )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     compact_memory_gib: float | None = Field(

@@ -171,7 +171,7 @@ def test_readme_commands_and_house_rules():
     assert "bash scripts/setup_cpu.sh && .venv/bin/sfi-vllm demo" in readme
     assert ".venv/bin/python -m pytest -q -ra tests" in readme
     assert ".venv/bin/python -m pytest -q -ra tests" in (REPO / ".ci" / "run").read_text()
-    for doc in ("README.md", "benchmarks/README.md"):
+    for doc in ("README.md", "benchmarks/README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))):
         text = (REPO / doc).read_text()
         assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{doc} has a date"
         assert "../shared" not in text and not re.search(r"(?i)\bsession\b", text), doc
@@ -219,3 +219,18 @@ def test_old_tooling_import_paths_still_work():
     out = subprocess.run([sys.executable, "-m", "sfi_vllm.cli", "--help"], capture_output=True, text=True,
                          timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0 and "prepare-model" in out.stdout, out.stderr[-2000:]
+
+
+def test_relative_links_in_the_docs_resolve():
+    """Every relative link of the README, benchmarks/README.md and docs/ names a file of the clone."""
+    import re
+
+    docs = [REPO / "README.md", REPO / "benchmarks" / "README.md", *(REPO / "docs").glob("*.md")]
+    broken = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor in the same page
+            if not (doc.parent / target.split("#")[0]).exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+    assert not broken, broken
