@@ -1,9 +1,10 @@
 """A battery of OpenAI-API requests against the CPU server, dense then SFI lossless then SFI lossy
 (one server at a time), each answer compared with dense's: greedy completions with the sampling
 fields users send (logprobs, prompt_logprobs, echo, stop strings and ids, min_tokens, penalties,
-logit_bias, chat, streaming, n 2 sampled), per-request SFI settings, malformed SFI settings (each
-must get a 400 naming the field), prompts too long or empty, six concurrent requests with mixed
-settings, then /health and the server's SFI metrics.
+logit_bias, chat, streaming with and without usage, structured outputs (JSON schema, choice,
+regex), beam search, n 2 sampled), per-request SFI settings, malformed SFI settings (each must get
+a 400 naming the field), prompts too long or empty, a client that leaves mid-stream, six concurrent
+requests with mixed settings, then /health and the server's SFI metrics.
 
     .venv/bin/python benchmarks/serve_battery.py --out benchmarks/results/serve-battery-cpu.jsonl
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import http.client
 import json
 import os
 import subprocess
@@ -63,6 +65,15 @@ def cases(model: str, long: str) -> dict[str, tuple[str, dict]]:
         "logit_bias": comp(short, 8, logit_bias={"12": 100}),
         "chat": chat("Write three sentences about the sea.", max_tokens=64),
         "chat, streamed": chat("Count to ten.", stream=True),
+        "streamed, usage included": comp(long, 24, stream=True, stream_options={"include_usage": True}),
+        "structured: JSON schema (chat)": chat("Give a city and a year as JSON.", max_tokens=60, response_format={
+            "type": "json_schema", "json_schema": {"name": "city_year", "schema": {
+                "type": "object", "required": ["city", "year"],
+                "properties": {"city": {"type": "string"}, "year": {"type": "integer"}}}}}),
+        "structured: choice": comp(long + "\nIs this text about the sea? Answer:", 4,
+                                   structured_outputs={"choice": ["yes", "no"]}),
+        "structured: regex": comp(long + "\nA number:", 8, structured_outputs={"regex": "[0-9]{3}"}),
+        "beam search, n 2": comp(long, 12, n=2, use_beam_search=True),
         "sfi budget (flat keys)": comp(long, 48, vllm_xargs={"sfi_selected_tokens": 16, "sfi_recent_window": 16}),
         "sfi draft_reselect rejection": comp(long, 48, vllm_xargs={"sfi_draft_reselect": "rejection"}),
         "sfi reuse_budget 8 with min_gap 4": comp(long, 48, vllm_xargs={
@@ -108,6 +119,31 @@ def texts(j: dict) -> list[str | None]:
     return [c.get("text") if "text" in c else (c.get("message") or {}).get("content") for c in j.get("choices", [])]
 
 
+def leave_mid_stream(base: str, engine: str, model: str, long: str) -> list[dict]:
+    """A client that reads 5 chunks of a long streamed completion and closes the connection; then
+    a greedy request (whose answer must still be dense's) and the count of running requests (the
+    one left behind must have been aborted)."""
+    host, port = base.split("//")[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": long, "max_tokens": 1000,
+                                                        "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp, chunks = conn.getresponse(), 0
+    for line in resp:
+        chunks += line.startswith(b"data: {")
+        if chunks >= 5:
+            break
+    conn.close()
+    time.sleep(2)
+    status, j = post(base, "/v1/completions", {"model": model, "prompt": long, "max_tokens": 24, "temperature": 0})
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        running = [line.rsplit(" ", 1)[1] for line in r.read().decode().splitlines()
+                   if line.startswith("vllm:num_requests_running")]
+    return [{"engine": engine, "case": "a client leaves mid-stream", "status": resp.status, "chunks_read": chunks},
+            {"engine": engine, "case": "greedy, after the client left", "status": status,
+             "texts": texts(j) if status == 200 else None, "requests_running_after": running}]
+
+
 def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
     rows = []
     for name, (path, body) in cases(model, long).items():
@@ -121,6 +157,7 @@ def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
             row["param"] = (j.get("error") or {}).get("param")
         rows.append(row)
         print(json.dumps(row)[:300], flush=True)
+    rows += leave_mid_stream(base, engine, model, long)
     # six at once, mixing per-request settings
     mixes = [{}, {"sfi_selected_tokens": 16}, {"sfi_draft_reselect": "rejection"}, {"sfi_policy": "dense"}, {},
              {"sfi_recent_window": 8}]
