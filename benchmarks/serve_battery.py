@@ -106,7 +106,8 @@ def post(base: str, path: str, body: dict) -> tuple[int, dict]:
             parts = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
             text = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
                            for p in parts for c in p.get("choices", []))
-            return 200, {"choices": [{"text": text}], "chunks": len(parts)}
+            usage = next((p["usage"] for p in reversed(parts) if p.get("usage")), None)
+            return 200, {"choices": [{"text": text}], "chunks": len(parts), "usage": usage}
         return 200, json.loads(raw)
     except urllib.error.HTTPError as e:
         try:
@@ -120,28 +121,30 @@ def texts(j: dict) -> list[str | None]:
 
 
 def leave_mid_stream(base: str, engine: str, model: str, long: str) -> list[dict]:
-    """A client that reads 5 chunks of a long streamed completion and closes the connection; then
-    a greedy request (whose answer must still be dense's) and the count of running requests (the
-    one left behind must have been aborted)."""
+    """A client that reads 5 chunks of a 1,000-token streamed completion (``ignore_eos``: it cannot
+    end early on its own) and closes the connection; two seconds later the count of running
+    requests (0: the server aborted it), then a greedy request, whose answer must still be dense's."""
     host, port = base.split("//")[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     conn.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": long, "max_tokens": 1000,
-                                                        "temperature": 0, "stream": True}),
+                                                        "temperature": 0, "stream": True, "ignore_eos": True}),
                  {"Content-Type": "application/json"})
     resp, chunks = conn.getresponse(), 0
     for line in resp:
         chunks += line.startswith(b"data: {")
         if chunks >= 5:
             break
+    resp.close()
     conn.close()
     time.sleep(2)
-    status, j = post(base, "/v1/completions", {"model": model, "prompt": long, "max_tokens": 24, "temperature": 0})
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
         running = [line.rsplit(" ", 1)[1] for line in r.read().decode().splitlines()
                    if line.startswith("vllm:num_requests_running")]
-    return [{"engine": engine, "case": "a client leaves mid-stream", "status": resp.status, "chunks_read": chunks},
+    status, j = post(base, "/v1/completions", {"model": model, "prompt": long, "max_tokens": 24, "temperature": 0})
+    return [{"engine": engine, "case": "a client leaves mid-stream", "status": resp.status, "chunks_read": chunks,
+             "requests_running_2s_later": running},
             {"engine": engine, "case": "greedy, after the client left", "status": status,
-             "texts": texts(j) if status == 200 else None, "requests_running_after": running}]
+             "texts": texts(j) if status == 200 else None}]
 
 
 def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
@@ -152,6 +155,8 @@ def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
         row = {"engine": engine, "case": name, "status": status, "seconds": round(time.perf_counter() - t0, 2)}
         if status == 200:
             row["texts"] = texts(j)
+            if body.get("stream_options", {}).get("include_usage"):
+                row["usage"] = j.get("usage")  # the stream's last chunk
         else:
             row["error"] = (j.get("error") or {}).get("message", j)
             row["param"] = (j.get("error") or {}).get("param")

@@ -129,7 +129,7 @@ class ExperimentalConfig(_StrictNumbers):
             "page) + 1) pages per KV head with the highest Quest bound (the page's key min/max against "
             "the group's queries, spread over follow_pages); the evidence and the prior are normalised "
             "over them. It measures what a re-selection that read only the page bounds and those pages' "
-            "keys would keep (docs/selection.md). 0: every page"
+            "keys would keep; the reference itself reads every key (docs/selection.md). 0: every page"
         ),
     )
     synthetic_acceptance: bool = Field(
@@ -434,10 +434,11 @@ class EngineSettings(_SettingsModel):
         "auto",
         description=(
             "GPU kernel path, slow_in_graph: buffers allocated at start-up for the slow rows' logits and "
-            "key norms, in frame tokens of one step's slow rows (each row's context rounded up to 2048); "
-            "rows that do not fit are scored into scratch after the step (counted in fused_score_misses). "
-            "Costs tokens x layers x (query heads + KV heads) x 4 bytes. auto: at most 2 GiB, 2% of the "
-            "GPU's memory and max_num_seqs x max_model_len; 0: off (docs/settings.md)"
+            "key norms, in frame tokens (a group of slow rows takes its rows x its longest context rounded "
+            "up to 2048, per layer); a group that does not fit is scored into scratch after the step "
+            "(counted in fused_score_misses). Costs tokens x layers x (query heads + KV heads) x 4 bytes. "
+            "auto: at most 2 GiB, 2% of the GPU's memory and max_num_seqs x max_model_len (rounded up to "
+            "2048); 0: off (docs/settings.md)"
         ),
     )
     drafter_graphs: bool = Field(

@@ -199,6 +199,11 @@ def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_othe
                "--speculative-config", json.dumps(given))
     with pytest.raises(cli.UsageError, match="must be a JSON object"):
         kwargs("--engine-kwargs", '{"additional_config": {"sfi": 3}}')
+    assert kwargs("--engine-kwargs", '{"additional_config": {"sfi": null}}')["additional_config"] == {"sfi": {}}
+    with pytest.raises(cli.UsageError, match="use --attention-backend"):
+        kwargs("--attention-backend", "dense", "--engine-kwargs", '{"attention_backend": "sfi"}')
+    with pytest.raises(cli.UsageError, match="sfi or dense"):
+        kwargs("--attention-backend", "FLASH_ATTN")
     from sfi_vllm.config import SFIConfigError
 
     with pytest.raises(SFIConfigError, match="recent_window"):

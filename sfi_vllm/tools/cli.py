@@ -143,15 +143,19 @@ def _batch_flags(args: argparse.Namespace) -> dict[str, Any]:
     spec = _json_arg(args.speculative_config, "--speculative-config") if args.speculative_config else None
     if spec is not None and "speculative_config" in engine_kwargs:
         raise UsageError("the speculative config is given twice: in --speculative-config and in --engine-kwargs")
+    if "attention_backend" in engine_kwargs:
+        raise UsageError("the attention backend is given in --engine-kwargs: use --attention-backend (sfi or dense)")
+    if args.attention_backend.lower() not in ("sfi", "dense"):
+        raise UsageError(f"--attention-backend: sfi or dense, not {args.attention_backend!r}")
     extra = engine_kwargs.get("additional_config")
     if extra is not None and not isinstance(extra, dict):
         raise UsageError("--engine-kwargs: additional_config must be a JSON object")
     if extra and "sfi" in extra:  # the SFI settings there count as --sfi's (the mode decides the defaults below)
         if args.sfi:
             raise UsageError("the SFI settings are given twice: in --sfi and in --engine-kwargs' additional_config")
-        if not isinstance(extra["sfi"], dict):
+        if extra["sfi"] is not None and not isinstance(extra["sfi"], dict):
             raise UsageError("--engine-kwargs: additional_config.sfi must be a JSON object")
-        engine_sfi = extra["sfi"]
+        engine_sfi = extra["sfi"] or {}
         engine_kwargs = {**engine_kwargs, "additional_config": {k: v for k, v in extra.items() if k != "sfi"}}
     mode = None
     if args.attention_backend.lower() == "dense":
