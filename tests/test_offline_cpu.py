@@ -331,3 +331,34 @@ def test_demo_ends_with_a_verdict(model_dir):
     assert cited and cited.group(1) in Path(cited.group(2)).read_text(), out
     assert re.search(r"dense: .*tok/s", proc.stderr), "no progress bar"
     assert "leaked" not in proc.stderr
+
+
+def test_demo_lossless_verdict_line_and_engine(monkeypatch):
+    """``sfi-vllm demo --lossless``: each request's line says whether the output is dense's and how
+    many drafts were kept; the second engine is the demo's working set in sfi.mode lossless with
+    the model as its own drafter; the GPU figures the closing line cites are in their results file."""
+    from sfi_vllm.tools import cli, demo
+
+    ids = [5, 6, 7]
+    st = {"verify_steps": 2, "accepted_tokens": 7, "drafted_tokens": 16, "acceptance_length": 4.5}
+    assert demo.lossless_line(ids, {"token_ids": ids}, st) == (
+        "  lossless: dense's tokens, all 3; 4.50 tokens per verify (7 of 16 drafts kept in 2 verify steps)")
+    parted = demo.lossless_line(ids, {"token_ids": [5, 9, 7]}, None)
+    assert "parts from dense's at token 1 of 3" in parted and "no drafts were verified" in parted
+    seen = {}
+
+    def fake_job(job, env=None):
+        seen["job"], seen["env"] = job, env
+        return {"outputs": []}
+
+    monkeypatch.setattr("sfi_vllm.tools.engine_job.run_engine_job", fake_job)
+    demo.run_lossless("/m", ["p"], 12, {"sinks": 4, "mode": "lossy"}, {"max_model_len": 512})
+    job = seen["job"]
+    assert job.attention_backend == "sfi" and job.sfi == {"sinks": 4, "mode": "lossless"}
+    assert job.engine_kwargs == {"max_model_len": 512, "speculative_config": {
+        "method": "draft_model", "model": "/m", "num_speculative_tokens": demo.LOSSLESS_DRAFTS}}
+    assert "VLLM_CPU_KVCACHE_SPACE" in seen["env"]
+    text = (Path(__file__).resolve().parents[1] / "benchmarks/results/lossless-h200.md").read_text()
+    figures = re.findall(r"\d+\.\d+(?:-\d+\.\d+)?x", demo.LOSSLESS_GPU_RESULT)
+    assert figures == ["1.30-1.34x", "2.12x"] and all(f in text for f in figures)
+    assert cli.build_parser().parse_args(["demo", "--lossless"]).lossless

@@ -113,7 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                  max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
-                 cache_dir=args.cache_dir)
+                 cache_dir=args.cache_dir, lossless=args.lossless)
     except DemoLengthError as e:
         raise UsageError(str(e)) from None
     return 0
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=_positive_int, default=96)
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
+    demo.add_argument("--lossless", action="store_true",
+                      help="also run the prompts in sfi.mode lossless (a second engine, a few more minutes): "
+                           "SFI drafts, dense attention verifies, and the outputs are dense's")
     demo.add_argument("--sfi-replace", action="store_true",
                       help="use --sfi as the whole SFI config (e.g. with '{\"preset\": \"balanced\"}')")
     demo.add_argument("--seed", type=int, default=0)

@@ -35,6 +35,14 @@ GPU_RESULT_FILE = "benchmarks/results/e2e-h200-itl.md"
 SLOW_REASONS = {"first_decode": "first step after the prompt", "boundary": "sentence end",
                 "reuse_budget": "reuse budget spent"}
 
+# --lossless: drafts per verify (docs/lossless.md: eight were faster than four on the H200)
+LOSSLESS_DRAFTS = 8
+# The GPU result the lossless line cites: 8 drafts per verify against dense, one H200, a Qwen3-4B-shaped
+# model with vLLM's synthetic acceptance set to what SmolLM2 drafted with a working set of the same
+# share of its context (benchmarks/results/lossless-h200.md, part 11)
+LOSSLESS_GPU_RESULT = ("1.30-1.34x dense's decode throughput at 8 requests of 32K tokens and 2.12x at 6 of 128K, "
+                       "at the acceptance SmolLM2 reached with a working set of the same share of its context")
+
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token, or None for identical generations."""
@@ -79,13 +87,39 @@ def gpu_result_link() -> str:
     return str(path) if path.exists() else GPU_RESULT_FILE
 
 
+def lossless_line(dense_ids: list[int], lossless: dict[str, Any], stats: dict[str, Any] | None) -> str:
+    """One request's verdict line for ``--lossless``: the output against dense's, and the drafts."""
+    div = first_divergence(dense_ids, lossless["token_ids"])
+    same = ("dense's tokens, all " + str(len(dense_ids)) if div is None else
+            f"parts from dense's at token {div} of {len(dense_ids)} (the verify pass computes several tokens at "
+            "once, and its rounding can break a near-tie the other way: docs/lossless.md)")
+    if not stats or not stats.get("verify_steps"):
+        return f"  lossless: {same}; no drafts were verified"
+    return (f"  lossless: {same}; {stats['acceptance_length']:.2f} tokens per verify "
+            f"({stats['accepted_tokens']} of {stats['drafted_tokens']} drafts kept in {stats['verify_steps']} "
+            "verify steps)")
+
+
+def run_lossless(model: str, prompts: list[str], max_tokens: int, sfi_cfg: dict[str, Any],
+                 engine: dict[str, Any]) -> dict[str, Any]:
+    """The prompts greedily through a second engine, in a process of its own: ``sfi.mode: lossless``
+    with the demo's working set drafting (``LOSSLESS_DRAFTS`` per verify, the model as its own
+    drafter) and dense attention verifying (docs/lossless.md)."""
+    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, run_engine_job
+
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": LOSSLESS_DRAFTS}
+    job = EngineJob(model=model, prompts=prompts, max_tokens=max_tokens, attention_backend="sfi",
+                    sfi={**sfi_cfg, "mode": "lossless"}, engine_kwargs={**engine, "speculative_config": spec})
+    return run_engine_job(job, env=cpu_engine_env())
+
+
 class DemoLengthError(ValueError):
     """The prompts and answers asked for do not fit the model's context length."""
 
 
 def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 96,
              sfi: dict[str, Any] | None = None, seed: int = 0, json_out: str | None = None,
-             cache_dir: str | None = None) -> dict[str, Any]:
+             cache_dir: str | None = None, lossless: bool = False) -> dict[str, Any]:
     from sfi_vllm.tools.batch import Request, engine_env_for_this_process, run_requests
     from sfi_vllm.config import build_config
 
@@ -116,10 +150,15 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = long_prompts(tok, num_prompts, prompt_tokens, seed=seed)
     say("loading the vLLM engine with the SFI backend (about 30 s on 2 cores)")
+    engine = dict(max_model_len=max_model_len, max_num_seqs=max(2, num_prompts),
+                  dtype="auto" if torch.cuda.is_available() else CPU_DTYPE)
+    ll = None
+    if lossless:  # first, in a process of its own, so that the two engines never hold the cores together
+        say("running the prompts in sfi.mode lossless, in an engine of its own (a few minutes on 2 cores)")
+        ll = run_lossless(model, prompts, max_tokens, sfi_cfg, engine)
     llm = LLM(model=model, attention_backend="sfi", additional_config={"sfi": sfi_cfg},
               logits_processors=[FORCE_PROCESSOR], generation_config="vllm", enforce_eager=True, seed=0,
-              max_model_len=max_model_len, max_num_seqs=max(2, num_prompts),
-              dtype="auto" if torch.cuda.is_available() else CPU_DTYPE)
+              **engine)
     chats = [[{"role": "user", "content": p}] for p in prompts]
 
     def phase(desc: str, params: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -167,8 +206,14 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
               + ("the outputs are identical" if div is None else
                  f"the outputs agree for the first {div} of {len(s['token_ids'])} tokens"))
         print(format_stats(st))
-        report["requests"].append(dict(prompt_tokens=d["prompt_tokens"], dense=d, sfi=s, stats=st,
-                                       forced_top1=[agree, total], first_divergence=div))
+        entry = dict(prompt_tokens=d["prompt_tokens"], dense=d, sfi=s, stats=st,
+                     forced_top1=[agree, total], first_divergence=div)
+        if ll is not None:
+            lo = ll["outputs"][i]
+            lst = ll["sfi_stats"].get(lo["request_id"])
+            print(lossless_line(d["token_ids"], lo, lst))
+            entry.update(lossless=lo, lossless_stats=lst)
+        report["requests"].append(entry)
     print("\n" + "=" * width)
     mean_att = 100 * sum(attended) / max(len(attended), 1)
     print(f"Verdict: SFI chose dense's next token at {100 * agree_all / max(total_all, 1):.1f}% of "
@@ -184,6 +229,16 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
           f"(the boundary trigger off: the benchmark runs without a tokenizer), decoded {GPU_RESULT} "
           f"as fast as dense "
           f"attention ({gpu_result_link()}).")
+    if ll is not None:
+        same = sum(r["lossless"]["token_ids"] == r["dense"]["token_ids"] for r in report["requests"])
+        verified = [r["lossless_stats"] for r in report["requests"] if r.get("lossless_stats")]
+        steps_v = sum(st["verify_steps"] for st in verified)
+        kept = sum(st["accepted_tokens"] for st in verified)
+        print(f"Lossless: with sfi.mode lossless the same working set drafted {LOSSLESS_DRAFTS} tokens per verify "
+              f"and dense attention checked them: {same} of {len(report['requests'])} outputs were dense's token "
+              f"for token, at {(kept + steps_v) / max(steps_v, 1):.2f} tokens per verify step "
+              f"(on an H200, {LOSSLESS_GPU_RESULT}: docs/lossless.md).")
+        report.update(lossless_identical=same, lossless_generate_s=ll["generate_s"])
     report.update(forced_top1=[agree_all, total_all], dense_s=t_dense["seconds"], sfi_s=t_sfi["seconds"])
     if json_out:
         with open(json_out, "w") as f:
