@@ -337,14 +337,21 @@ def test_demo_lossless_verdict_line_and_engine(monkeypatch):
     """``sfi-vllm demo --lossless``: each request's line says whether the output is dense's and how
     many drafts were kept; the second engine is the demo's working set in sfi.mode lossless with
     the model as its own drafter; the GPU figures the closing line cites are in their results file."""
+    from sfi_vllm.config import SFIConfigError
     from sfi_vllm.tools import cli, demo
 
     ids = [5, 6, 7]
     st = {"verify_steps": 2, "accepted_tokens": 7, "drafted_tokens": 16, "acceptance_length": 4.5}
     assert demo.lossless_line(ids, {"token_ids": ids}, st) == (
         "  lossless: dense's tokens, all 3; 4.50 tokens per verify (7 of 16 drafts kept in 2 verify steps)")
-    parted = demo.lossless_line(ids, {"token_ids": [5, 9, 7]}, None)
+    none = {"verify_steps": 0, "accepted_tokens": 0, "drafted_tokens": 0, "acceptance_length": 0.0}
+    parted = demo.lossless_line(ids, {"token_ids": [5, 9, 7]}, none)
     assert "parts from dense's at token 1 of 3" in parted and "no drafts were verified" in parted
+    reqs = [dict(dense={"token_ids": ids}, lossless={"token_ids": ids}, lossless_stats=st),
+            dict(dense={"token_ids": ids}, lossless={"token_ids": [5, 9, 7]}, lossless_stats=dict(st, accepted_tokens=3))]
+    assert demo.lossless_summary(reqs) == dict(identical=1, requests=2, verify_steps=4, drafted=32, accepted=10,
+                                               tokens_per_verify=3.5)
+    assert demo.lossless_summary([dict(reqs[0], lossless_stats=none)])["tokens_per_verify"] is None
     seen = {}
 
     def fake_job(job, env=None):
@@ -356,9 +363,11 @@ def test_demo_lossless_verdict_line_and_engine(monkeypatch):
     job = seen["job"]
     assert job.attention_backend == "sfi" and job.sfi == {"sinks": 4, "mode": "lossless"}
     assert job.engine_kwargs == {"max_model_len": 512, "speculative_config": {
-        "method": "draft_model", "model": "/m", "num_speculative_tokens": demo.LOSSLESS_DRAFTS}}
+        "method": "draft_model", "model": "/m", "num_speculative_tokens": cli.LOSSLESS_DRAFTS}}
     assert "VLLM_CPU_KVCACHE_SPACE" in seen["env"]
-    text = (Path(__file__).resolve().parents[1] / "benchmarks/results/lossless-h200.md").read_text()
-    figures = re.findall(r"\d+\.\d+(?:-\d+\.\d+)?x", demo.LOSSLESS_GPU_RESULT)
-    assert figures == ["1.30-1.34x", "2.12x"] and all(f in text for f in figures)
+    text = (Path(__file__).resolve().parents[1] / demo.LOSSLESS_GPU_RESULT_FILE).read_text()
+    for figure in ("1.30-1.34x", "2.12x", "6.9", "5.9", "7%", "1.8%"):
+        assert figure in demo.LOSSLESS_GPU_RESULT and figure in text, figure
+    with pytest.raises(SFIConfigError, match="refresh_overlap"):  # a setting the lossless mode refuses, before anything loads
+        demo.run_demo(sfi={"refresh_overlap": True}, lossless=True)
     assert cli.build_parser().parse_args(["demo", "--lossless"]).lossless

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS
+
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.model_prep import prepare_model
@@ -132,7 +134,6 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-LOSSLESS_DRAFTS = 8  # drafts per verify that sfi-vllm batch gives sfi.mode lossless by default (docs/lossless.md)
 
 
 def _batch_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -366,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
     demo.add_argument("--lossless", action="store_true",
-                      help="also run the prompts in sfi.mode lossless (a second engine, a few more minutes): "
+                      help="also run the prompts in sfi.mode lossless (a second engine, about a minute more on "
+                           "2 cores): "
                            "SFI drafts, dense attention verifies, and the outputs are dense's")
     demo.add_argument("--sfi-replace", action="store_true",
                       help="use --sfi as the whole SFI config (e.g. with '{\"preset\": \"balanced\"}')")

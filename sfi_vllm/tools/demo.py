@@ -35,13 +35,13 @@ GPU_RESULT_FILE = "benchmarks/results/e2e-h200-itl.md"
 SLOW_REASONS = {"first_decode": "first step after the prompt", "boundary": "sentence end",
                 "reuse_budget": "reuse budget spent"}
 
-# --lossless: drafts per verify (docs/lossless.md: eight were faster than four on the H200)
-LOSSLESS_DRAFTS = 8
 # The GPU result the lossless line cites: 8 drafts per verify against dense, one H200, a Qwen3-4B-shaped
-# model with vLLM's synthetic acceptance set to what SmolLM2 drafted with a working set of the same
-# share of its context (benchmarks/results/lossless-h200.md, part 11)
+# model with random weights and vLLM's synthetic acceptance set to what SmolLM2 drafted with working
+# sets of 7% and 1.8% of its context (benchmarks/results/lossless-h200.md, part 11)
 LOSSLESS_GPU_RESULT = ("1.30-1.34x dense's decode throughput at 8 requests of 32K tokens and 2.12x at 6 of 128K, "
-                       "at the acceptance SmolLM2 reached with a working set of the same share of its context")
+                       "with 6.9 and 5.9 tokens per verify imposed: what SmolLM2 drafted with working sets of "
+                       "those runs' shares of the context, 7% and 1.8%")
+LOSSLESS_GPU_RESULT_FILE = "benchmarks/results/lossless-h200.md"
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -87,13 +87,13 @@ def gpu_result_link() -> str:
     return str(path) if path.exists() else GPU_RESULT_FILE
 
 
-def lossless_line(dense_ids: list[int], lossless: dict[str, Any], stats: dict[str, Any] | None) -> str:
+def lossless_line(dense_ids: list[int], lossless: dict[str, Any], stats: dict[str, Any]) -> str:
     """One request's verdict line for ``--lossless``: the output against dense's, and the drafts."""
     div = first_divergence(dense_ids, lossless["token_ids"])
     same = ("dense's tokens, all " + str(len(dense_ids)) if div is None else
             f"parts from dense's at token {div} of {len(dense_ids)} (the verify pass computes several tokens at "
             "once, and its rounding can break a near-tie the other way: docs/lossless.md)")
-    if not stats or not stats.get("verify_steps"):
+    if not stats["verify_steps"]:
         return f"  lossless: {same}; no drafts were verified"
     return (f"  lossless: {same}; {stats['acceptance_length']:.2f} tokens per verify "
             f"({stats['accepted_tokens']} of {stats['drafted_tokens']} drafts kept in {stats['verify_steps']} "
@@ -105,12 +105,28 @@ def run_lossless(model: str, prompts: list[str], max_tokens: int, sfi_cfg: dict[
     """The prompts greedily through a second engine, in a process of its own: ``sfi.mode: lossless``
     with the demo's working set drafting (``LOSSLESS_DRAFTS`` per verify, the model as its own
     drafter) and dense attention verifying (docs/lossless.md)."""
-    from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, run_engine_job
+    from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS, EngineJob, cpu_engine_env, run_engine_job
 
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": LOSSLESS_DRAFTS}
     job = EngineJob(model=model, prompts=prompts, max_tokens=max_tokens, attention_backend="sfi",
                     sfi={**sfi_cfg, "mode": "lossless"}, engine_kwargs={**engine, "speculative_config": spec})
-    return run_engine_job(job, env=cpu_engine_env())
+    try:
+        return run_engine_job(job, env=cpu_engine_env())
+    except RuntimeError as e:  # its log's tail, without the whole of vLLM's start-up
+        raise RuntimeError("the lossless engine of the demo failed; the end of its log:\n"
+                           + str(e)[-2000:]) from None
+
+
+def lossless_summary(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The demo's ``--lossless`` totals over ``requests`` (each with ``dense``, ``lossless`` and
+    ``lossless_stats``): outputs identical to dense's, verify steps, drafts made and kept, and the
+    tokens per verify step (None without a verify step)."""
+    stats = [r["lossless_stats"] for r in requests]
+    steps = sum(st["verify_steps"] for st in stats)
+    kept = sum(st["accepted_tokens"] for st in stats)
+    return dict(identical=sum(r["lossless"]["token_ids"] == r["dense"]["token_ids"] for r in requests),
+                requests=len(requests), verify_steps=steps, drafted=sum(st["drafted_tokens"] for st in stats),
+                accepted=kept, tokens_per_verify=round((kept + steps) / steps, 3) if steps else None)
 
 
 class DemoLengthError(ValueError):
@@ -125,6 +141,8 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
 
     sfi_cfg = dict(DEMO_SFI if sfi is None else sfi)
     build_config(sfi_cfg)  # fail early, with the field named, on a bad setting
+    if lossless:
+        build_config({**sfi_cfg, "mode": "lossless"})  # and on one the lossless mode refuses
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; keep the demo's output readable
     engine_env_for_this_process()
 
@@ -149,13 +167,13 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
                          "template) exceed the model's context length") from None
     tok = AutoTokenizer.from_pretrained(model)
     prompts = long_prompts(tok, num_prompts, prompt_tokens, seed=seed)
-    say("loading the vLLM engine with the SFI backend (about 30 s on 2 cores)")
     engine = dict(max_model_len=max_model_len, max_num_seqs=max(2, num_prompts),
                   dtype="auto" if torch.cuda.is_available() else CPU_DTYPE)
     ll = None
     if lossless:  # first, in a process of its own, so that the two engines never hold the cores together
-        say("running the prompts in sfi.mode lossless, in an engine of its own (a few minutes on 2 cores)")
+        say("running the prompts in sfi.mode lossless, in an engine of its own (about a minute on 2 cores)")
         ll = run_lossless(model, prompts, max_tokens, sfi_cfg, engine)
+    say("loading the vLLM engine with the SFI backend (about 30 s on 2 cores)")
     llm = LLM(model=model, attention_backend="sfi", additional_config={"sfi": sfi_cfg},
               logits_processors=[FORCE_PROCESSOR], generation_config="vllm", enforce_eager=True, seed=0,
               **engine)
@@ -211,8 +229,11 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
         if ll is not None:
             lo = ll["outputs"][i]
             lst = ll["sfi_stats"].get(lo["request_id"])
+            if lst is None:
+                raise RuntimeError(f"no SFI statistics for the lossless engine's request {lo['request_id']}")
             print(lossless_line(d["token_ids"], lo, lst))
-            entry.update(lossless=lo, lossless_stats=lst)
+            entry.update(lossless=lo, lossless_stats=lst,
+                         lossless_first_divergence=first_divergence(d["token_ids"], lo["token_ids"]))
         report["requests"].append(entry)
     print("\n" + "=" * width)
     mean_att = 100 * sum(attended) / max(len(attended), 1)
@@ -230,15 +251,17 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
           f"as fast as dense "
           f"attention ({gpu_result_link()}).")
     if ll is not None:
-        same = sum(r["lossless"]["token_ids"] == r["dense"]["token_ids"] for r in report["requests"])
-        verified = [r["lossless_stats"] for r in report["requests"] if r.get("lossless_stats")]
-        steps_v = sum(st["verify_steps"] for st in verified)
-        kept = sum(st["accepted_tokens"] for st in verified)
+        from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS
+
+        tot = lossless_summary(report["requests"])
+        kept = ("no drafts were verified" if tot["tokens_per_verify"] is None else
+                f"{tot['tokens_per_verify']:.2f} tokens per verify step")
         print(f"Lossless: with sfi.mode lossless the same working set drafted {LOSSLESS_DRAFTS} tokens per verify "
-              f"and dense attention checked them: {same} of {len(report['requests'])} outputs were dense's token "
-              f"for token, at {(kept + steps_v) / max(steps_v, 1):.2f} tokens per verify step "
-              f"(on an H200, {LOSSLESS_GPU_RESULT}: docs/lossless.md).")
-        report.update(lossless_identical=same, lossless_generate_s=ll["generate_s"])
+              f"and dense attention checked them: {tot['identical']} of {tot['requests']} outputs were dense's "
+              f"token for token, at {kept}. On an H200: {LOSSLESS_GPU_RESULT} ({LOSSLESS_GPU_RESULT_FILE}, "
+              "part 11; docs/lossless.md).")
+        report.update(lossless=tot, lossless_drafts=LOSSLESS_DRAFTS, lossless_sfi_config=ll["sfi_config"],
+                      lossless_generate_s=ll["generate_s"])
     report.update(forced_top1=[agree_all, total_all], dense_s=t_dense["seconds"], sfi_s=t_sfi["seconds"])
     if json_out:
         with open(json_out, "w") as f:

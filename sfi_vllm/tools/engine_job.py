@@ -27,6 +27,10 @@ from typing import Any
 # 0.27): prefill 62.6 tokens/s in bf16, 268.5 in float32. CPU jobs of ours run in float32.
 CPU_DTYPE = "float32"
 
+# Drafts per verify that the tools (sfi-vllm batch, sfi-vllm demo --lossless) give sfi.mode lossless
+# when no speculative config is given: eight were faster than four on the H200 (docs/lossless.md)
+LOSSLESS_DRAFTS = 8
+
 
 def cpu_engine_env(kv_cache_gib: int = 2) -> dict[str, str]:
     """vLLM-CPU settings for an engine on this machine, unless the caller's environment sets them:
