@@ -454,8 +454,9 @@ class EngineSettings(_SettingsModel):
         "shared",
         description=(
             "sfi.mode lossless: where the drafter keeps its keys and values. shared: it reads the model's "
-            "KV cache and writes only the tokens the model has not computed yet, so the pool holds twice "
-            "the tokens and its first pass is one token per row; own: a cache as large as the model's, "
+            "KV cache and writes only the tokens the model has not computed yet, so the pool holds as many "
+            "tokens as a dense engine's (twice own's) and its first pass is one token per row; own: a "
+            "cache as large as the model's, "
             "with its own entries, as vLLM's draft_model method keeps (docs/lossless.md)"
         ),
     )
