@@ -75,6 +75,15 @@ def test_the_drafter_is_the_served_checkpoint_however_its_path_is_written(tmp_pa
     assert "config's num_hidden_layers (30) differs from the model's (4)" in problem and "hf_overrides" in problem
 
 
+def test_lossless_refuses_async_scheduling_when_asked_for():
+    engine = _engine(None, _spec())
+    engine.scheduler_config = SimpleNamespace(async_scheduling=True)
+    (problem,) = speculative_problems(build_config(LOSSLESS), engine)
+    assert "drop --async-scheduling" in problem
+    engine.scheduler_config.async_scheduling = False  # vLLM's default for draft_model
+    assert speculative_problems(build_config(LOSSLESS), engine) == []
+
+
 def test_synthetic_acceptance_only_with_the_experimental_switch():
     spec = SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic")
     assert speculative_problems(build_config({**LOSSLESS, "experimental": {"synthetic_acceptance": True}}),

@@ -160,6 +160,13 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
             problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
                             "accepts drafts the model would not have sampled (standard or block keep its "
                             "distribution)")
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler, "async_scheduling", False):
+        # vLLM leaves it off for draft_model unless asked; the drafter's first pass reads the rows'
+        # lengths from the device each verify cycle, and this pairing has not been checked against
+        # dense outputs
+        problems.append("sfi.mode lossless runs without async scheduling (not validated with it); "
+                        "drop --async-scheduling (vLLM leaves it off for draft_model by default)")
     if getattr(spec, "parallel_drafting", False):
         problems.append("sfi.mode lossless drafts one token per pass; parallel_drafting needs a drafter "
                         "trained for it")
