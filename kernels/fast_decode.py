@@ -23,6 +23,11 @@ rows (a CUDA-graph batch, padding rows included) serves any mix of fast and dens
 captured graph reads the step's row -> slot table and the layer's per-slot lengths and window
 starts at replay time.
 
+Wide tiles (``wide_block_n``, off by default): a dense row of at least ``wide_from`` keys that
+writes no scores reads its keys ``wide_block_n`` at a time, the other rows ``block_n`` at a time, in
+the same launch. On the H200 every-row-dense launches ran faster with 64-key tiles than with the
+compact rows' 32 at 128K contexts and slower at 16K-32K (benchmarks/results/dense-rows-h200.txt).
+
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
 sequence ``compact ++ window``, keeps an online softmax, and writes a partial output and its
@@ -113,10 +118,37 @@ def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, strid
             tl.store(nm_row + pj, tl.sqrt(tl.sum(k2 * k2, 1)), mask=mj)
 
 
-@triton.jit(do_not_specialize=["layer", "stride_btb"])  # values that change with the batch
+@triton.jit
+def _window_part(q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                 gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 HAS_SCORES: tl.constexpr):
+    """The window part of one program: virtual keys ``[max(lo, nc), hi)``, with the scores written
+    for a scored dense row. One branch per program, above the loop: a branch or a predicated store
+    inside every tile was slower (fused_scores_bench.py)."""
+    if HAS_SCORES:
+        if dense_scored:
+            m_i, l_i, acc = _window_tiles(
+                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, True)
+        else:
+            m_i, l_i, acc = _window_tiles(
+                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
+    else:
+        m_i, l_i, acc = _window_tiles(
+            q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+            gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["layer", "stride_btb", "wide_from"])  # values that change with the batch
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
-    SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer,
+    SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer, wide_from,
     stride_qb, stride_qh, stride_stb, stride_sth,
     stride_cks, stride_ckh, stride_ckn,
     stride_cvs, stride_cvh, stride_cvn,
@@ -128,7 +160,7 @@ def _fast_decode_split(
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
-    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr,
+    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr, WIDE_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -146,6 +178,11 @@ def _fast_decode_split(
     ws = tl.minimum(ws, seq)
     total = nc + seq - ws
     per = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if WIDE_N > 0:  # a dense row of at least wide_from keys that writes no scores: WIDE_N-key tiles
+        wide = (slot_raw < 0) & (seq >= wide_from)
+        if HAS_SCORES:
+            wide = wide & (tl.load(SC_BASE + b) < 0)
+        per = tl.where(wide, tl.cdiv(tl.cdiv(total, NUM_SPLITS), WIDE_N) * WIDE_N, per)
     lo = s * per
     hi = tl.minimum(lo + per, total)
 
@@ -196,24 +233,23 @@ def _fast_decode_split(
     if not HAS_SCORES:  # placeholders: the loop without stores never reads them
         lg_row = LOGITS + offs_g[:, None]
         nm_row = NORMS
-    if HAS_SCORES:
-        # one branch per program, above the loop: a branch or a predicated store inside every tile
-        # was slower (fused_scores_bench.py)
-        if dense_scored:
+        dense_scored = False
+    if WIDE_N > 0:
+        if wide:  # a long unscored dense row: wider tiles (module doc, "Wide tiles")
             m_i, l_i, acc = _window_tiles(
-                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                q, m_i, l_i, acc, lo, hi, 0, 0, b, h, BT, KC, VC, stride_btb,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
-                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, True)
+                gmask, qk_scale, tl.arange(0, WIDE_N), offs_d, WIDE_N, PAGE, False)
         else:
-            m_i, l_i, acc = _window_tiles(
-                q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+            m_i, l_i, acc = _window_part(
+                q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
-                gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
+                gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N, PAGE, HAS_SCORES)
     else:
-        m_i, l_i, acc = _window_tiles(
-            q, m_i, l_i, acc, tl.maximum(lo, nc), hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+        m_i, l_i, acc = _window_part(
+            q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
-            gmask, qk_scale, offs_n, offs_d, BLOCK_N, PAGE, False)
+            gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N, PAGE, HAS_SCORES)
 
     if HAS_SCORES:
         if keys_scored:
@@ -315,6 +351,8 @@ def fast_decode_attention(
     scores: ScoreFrames | None = None,  # fused slow-step scores of the scored dense rows
     block_n: int = 32,
     key_block_n: int | None = None,
+    wide_block_n: int = 0,
+    wide_from: int = 0,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -325,7 +363,8 @@ def fast_decode_attention(
     a full CUDA graph reads it). With ``scores`` the scored dense rows also write their slow-step
     logits and key norms (module doc); the caller sizes the buffers for the frames it assigns.
     ``key_block_n``: the keys-only rows' score tile (a power of two and a multiple of ``block_n``;
-    default :data:`KEY_BLOCK_N`, or ``block_n`` if larger)."""
+    default :data:`KEY_BLOCK_N`, or ``block_n`` if larger). ``wide_block_n`` (0: off): the tile of
+    the dense rows of at least ``wide_from`` keys that write no scores (module doc, "Wide tiles")."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
@@ -339,6 +378,8 @@ def fast_decode_attention(
     if scores is not None:
         assert scores.logits.dtype == torch.float32 and scores.norms.dtype == torch.float32
         assert scores.logits.is_contiguous() and scores.norms.is_contiguous()
+    assert wide_block_n == 0 or (wide_block_n >= 16 and wide_block_n & (wide_block_n - 1) == 0), \
+        "wide_block_n: 0 (off) or a power of two of at least 16"
     key_block = max(KEY_BLOCK_N, block_n) if key_block_n is None else key_block_n
     if scores is not None:  # only the keys-only pass uses it
         assert key_block > 0 and key_block % block_n == 0 and key_block & (key_block - 1) == 0, \
@@ -348,7 +389,7 @@ def fast_decode_attention(
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
         row_min_window_start, seq_lens, compact_len, window_start,
         slot_map if slot_map is not None else row_slot, acc, lse, stage if stage is not None else q,
-        *sc,
+        *sc, wide_from,
         q.stride(0), q.stride(1), *((stage.stride(0), stage.stride(1)) if stage is not None else (0, 0)),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
         compact_v.stride(0), compact_v.stride(1), compact_v.stride(2),
@@ -361,7 +402,7 @@ def fast_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
         HAS_STAGE=stage is not None, HAS_SCORES=scores is not None, KEY_BLOCK=key_block,
-        num_warps=num_warps, num_stages=num_stages,
+        WIDE_N=wide_block_n, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),

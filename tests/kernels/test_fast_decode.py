@@ -12,9 +12,10 @@ from sfi_vllm.attention_ref import fast_step_attention
 def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 900, 5000, 257, 700, 0), compact=(300, 70, 1000, 4, None, None),
                       window=(256, 300, 270, 200, None, None), min_ws=(0, 0, 4900, 0, 0, 0),
-                      splits=(1, 3, 8), seed=0):
+                      splits=(1, 3, 8), seed=0, wide=None):
     """Rows with a compact set, a row whose window slides past its refresh point (``min_ws``), a
-    dense row (no slot: ``compact`` None) and an empty padding row (``seq_len`` 0)."""
+    dense row (no slot: ``compact`` None) and an empty padding row (``seq_len`` 0). ``wide``:
+    ``(wide_block_n, wide_from)`` of the launch."""
     from sfi_vllm.kernels.fast_decode import fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +56,8 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
         stage = torch.full((B + 2, hq, d), float("nan"), dtype=dtype, device=device) if ns == splits[-1] else None
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, row_min_ws, sl,
                               nc_by_slot.to(device), ws_by_slot.to(device), scale, ns, out=out,
-                              workspace=make_workspace(B, hq, d, ns, device), stage=stage)
+                              workspace=make_workspace(B, hq, d, ns, device), stage=stage,
+                              **(dict(wide_block_n=wide[0], wide_from=wide[1]) if wide else {}))
         assert not torch.isnan(out).any(), f"unwritten output (splits={ns})"
         if stage is not None:  # query staging: every row's q, nothing past the batch
             assert torch.equal(stage[:B], q) and torch.isnan(stage[B:].float()).all()
@@ -70,8 +72,15 @@ CPU_ROWS = dict(page=16, seq_lens=(300, 90, 130, 70, 45, 0), compact=(40, 3, 65,
 CASES = [
     *(case("cpu", dtype, dict(hq=4, hkv=2, d=32, **CPU_ROWS), tol, id=shape_id(dtype, 4, 2, 32))
       for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 5e-3))),
+    # wide tiles for the dense rows from 40 keys on: one dense row of 45 keys takes them, the
+    # other (the padding row) does not
+    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **CPU_ROWS, wide=(64, 40)), 1e-5,
+         id=shape_id(torch.float32, 4, 2, 32) + "-wide"),
     *(case("cuda", dtype, dict(hq=hq, hkv=hkv, d=d), 1e-2, id=shape_id(dtype, hq, hkv, d))
       for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES),
+    # the dense row (700 keys in the GPU rows) with 64-key tiles
+    case("cuda", torch.bfloat16, dict(hq=32, hkv=8, d=128, wide=(64, 512)), 1e-2,
+         id=shape_id(torch.bfloat16, 32, 8, 128) + "-wide"),
 ]
 
 
