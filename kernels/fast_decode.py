@@ -25,8 +25,10 @@ starts at replay time.
 
 Wide tiles (``wide_block_n``, off by default): a dense row of at least ``wide_from`` keys that
 writes no scores reads its keys ``wide_block_n`` at a time, the other rows ``block_n`` at a time, in
-the same launch. On the H200 every-row-dense launches ran faster with 64-key tiles than with the
-compact rows' 32 at 128K contexts and slower at 16K-32K (benchmarks/results/dense-rows-h200.txt).
+the same launch. On the H200, 64-key tiles took 13-14% off dense rows at 128K contexts and added
+15-17% at 16K-32K; compiled in, they left the fast rows' time within 3% at batches 1-8 and made it
+31% slower at 16 x 16K, so the engine does not pass them
+(benchmarks/results/wide-tiles-h200.txt).
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
