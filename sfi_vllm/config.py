@@ -379,7 +379,7 @@ class EngineSettings(_SettingsModel):
 
     # The boundary trigger's vocabulary and how it reads the sampled tokens.
     newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
-    boundary_token_ids: list[int] | None = Field(
+    boundary_token_ids: list[NonNegativeInt] | None = Field(
         None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
     )
     boundary_read: Literal["auto", "exact", "lagged"] = Field(

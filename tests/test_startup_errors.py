@@ -84,8 +84,44 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     EngineArgs(**args, additional_config={"sfi": {"compact_memory_gib": 0.1}}).create_engine_config()
 
 
+@pytest.mark.parametrize("attention_backend, extra, needle", [
+    # SFI settings on an engine without the SFI backend would be ignored
+    (None, dict(additional_config={"sfi": {"selected_tokens": 64}}), "add --attention-backend sfi, or drop them"),
+    # what the SFI backends cannot read
+    ("sfi", dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported: drop --kv-cache-dtype"),
+    # found in the front end, not only in the engine's process (where it comes inside worker tracebacks)
+    ("sfi", dict(additional_config={"sfi": {"stats_file": "/nonexistent-dir/stats.jsonl"}}),
+     "sfi.stats_file: cannot append to '/nonexistent-dir/stats.jsonl'"),
+])
+def test_start_up_refusals_in_the_front_end(attention_backend, extra, needle):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    from sfi_vllm.tools.model_prep import prepare_model
+
+    load_general_plugins()
+    args = dict(model=str(prepare_model(progress=False)), dtype="float32", max_model_len=1024, **extra)
+    if attention_backend:
+        args["attention_backend"] = attention_backend
+    with pytest.raises(Exception) as e:
+        EngineArgs(**args).create_engine_config()
+    msg = startup_message(e.value)
+    assert msg is not None and needle in msg, msg
+
+
+def test_the_printed_message_names_sfi_vllm_once(capsys):
+    from sfi_vllm.patches.config_check import SFIStartupError
+    from sfi_vllm.startup_errors import report
+
+    assert report(SFIStartupError("sfi-vllm cannot serve this configuration: x"))
+    assert report(SFIConfigError("sfi.sinks: bad"))
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "sfi-vllm cannot serve this configuration: x" and err[2] == "sfi-vllm: sfi.sinks: bad"
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["demo", "--prompts", "0"], "--prompts: must be at least 1, got 0"),
+    (["demo", "--sfi-replace"], "--sfi-replace: give the whole SFI config in --sfi"),
     (["batch", "in.jsonl", "out.jsonl", "--max-open", "-1"], "--max-open: must be at least 1, got -1"),
     (["eval", "--samples", "two"], "--samples: not an integer: 'two'"),
     (["eval", "--time-limit", "0"], "--time-limit: must be a positive number"),

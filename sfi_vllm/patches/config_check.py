@@ -59,6 +59,17 @@ def check_sfi_engine(vllm_config) -> None:
             problems.append("MLA attention is not supported")
         if getattr(model_config, "get_sliding_window", lambda: None)():
             problems.append("sliding-window attention is not supported")
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", "bfloat16", "float16", "half", "float32", "float"):
+        problems.append(f"sfi-vllm reads the KV cache in the model's dtype; --kv-cache-dtype {cache_dtype} is not "
+                        "supported: drop --kv-cache-dtype")
+    if cfg.stats_file:  # the engine's process checks it too; here the message reaches the user alone
+        try:
+            with open(cfg.stats_file, "a"):
+                pass
+        except OSError as e:
+            problems.append(f"sfi.stats_file: cannot append to {cfg.stats_file!r} ({e.strerror or e}); give a "
+                            "writable file in an existing directory")
     if cfg.experimental.candidate_pages and current_platform.is_cuda_alike() and cfg.kernels != "torch":
         problems.append("sfi.experimental.candidate_pages runs on the torch reference path only (the GPU kernels "
                         "score every key): set sfi.kernels torch, or leave it out")
@@ -146,7 +157,8 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
         return []
     if cfg.mode != "lossless":
         return ["speculative decoding runs with SFI only as sfi.mode lossless (SFI drafts, dense "
-                "attention verifies)"]
+                "attention verifies): add \"mode\": \"lossless\" to --additional-config's sfi, or drop "
+                "--speculative-config"]
     problems = []
     method = getattr(spec, "method", None)
     if method != "draft_model":
@@ -159,7 +171,8 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
         else:
             problems.append("sfi.mode lossless verifies the drafts; rejection_sample_method 'synthetic' "
                             "accepts drafts the model would not have sampled (standard or block keep its "
-                            "distribution)")
+                            "distribution): drop it, or for a speed measurement only set sfi "
+                            "experimental.synthetic_acceptance true")
     scheduler = getattr(vllm_config, "scheduler_config", None)
     if getattr(scheduler, "async_scheduling", False):
         # vLLM leaves it off for draft_model unless asked; the drafter's first pass reads the rows'
@@ -196,6 +209,16 @@ def install_request_validation(cfg, model_config) -> None:
     set_engine_limits(EngineLimits.for_engine(cfg, getattr(model_config, "max_model_len", None)))
 
 
+def refuse_sfi_settings_without_sfi(vllm_config) -> None:
+    """SFI settings (a non-empty ``sfi`` in ``--additional-config``) on an engine whose attention
+    backend is not sfi would be ignored: stop start-up instead, saying what to add."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get("sfi"):
+        raise SFIStartupError("sfi-vllm: --additional-config holds SFI settings (its 'sfi' key), but the "
+                              "attention backend is not sfi, so they would be ignored: add "
+                              "--attention-backend sfi, or drop them")
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
@@ -212,6 +235,7 @@ def install() -> None:
             from sfi_vllm.request_validation import set_engine_limits
 
             set_engine_limits(None)
+            refuse_sfi_settings_without_sfi(vllm_config)
         return original(cls, vllm_config)
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

@@ -109,6 +109,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.demo import DEMO_SFI, DemoLengthError, run_demo
 
     sfi = dict(DEMO_SFI)
+    if args.sfi_replace and not args.sfi:
+        raise UsageError("--sfi-replace: give the whole SFI config in --sfi")
     if args.sfi:
         given = _json_arg(args.sfi, "--sfi")
         sfi = given if args.sfi_replace else {**DEMO_SFI, **given}
@@ -361,9 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_cmd_prepare)
 
     demo = sub.add_parser("demo", help="SFI vs dense attention on the embedded model, side by side")
-    demo.add_argument("--prompts", type=_positive_int, default=4)
-    demo.add_argument("--prompt-tokens", type=_positive_int, default=1200)
-    demo.add_argument("--max-tokens", type=_positive_int, default=96)
+    demo.add_argument("--prompts", type=_positive_int, default=4, help="prompts (essays) to run (default 4)")
+    demo.add_argument("--prompt-tokens", type=_positive_int, default=1200,
+                      help="tokens of each prompt (default 1200)")
+    demo.add_argument("--max-tokens", type=_positive_int, default=96, help="tokens generated per prompt (default 96)")
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
     demo.add_argument("--lossless", action="store_true",
@@ -372,9 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "SFI drafts, dense attention verifies, and the outputs are dense's")
     demo.add_argument("--sfi-replace", action="store_true",
                       help="use --sfi as the whole SFI config (e.g. with '{\"preset\": \"balanced\"}')")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="which essays make the prompts (default 0)")
     demo.add_argument("--json", default=None, help="also write the full results here")
-    demo.add_argument("--cache-dir", default=None)
+    demo.add_argument("--cache-dir", default=None, help="where the model and texts are kept (default: "
+                      "sfi-vllm prepare-model's cache)")
     demo.set_defaults(func=_cmd_demo, in_process_engine=True)
 
     from sfi_vllm.tools.policies import POLICIES
