@@ -121,7 +121,6 @@ def test_the_printed_message_names_sfi_vllm_once(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["demo", "--prompts", "0"], "--prompts: must be at least 1, got 0"),
-    (["demo", "--sfi-replace"], "--sfi-replace: give the whole SFI config in --sfi"),
     (["batch", "in.jsonl", "out.jsonl", "--max-open", "-1"], "--max-open: must be at least 1, got -1"),
     (["eval", "--samples", "two"], "--samples: not an integer: 'two'"),
     (["eval", "--time-limit", "0"], "--time-limit: must be a positive number"),
@@ -161,3 +160,10 @@ def test_cli_lists_parse_to_values():
     assert (args.policies, args.retentions, args.contexts, args.tasks) == (
         ["dense", "sfi@0/0.2"], [0.1, 0.2], [2048, 4096], ["passkey"])
     assert build_parser().parse_args(["eval"]).retentions == [0.1, 0.2]  # the defaults parse too
+
+
+def test_demo_sfi_replace_needs_sfi():
+    from sfi_vllm.tools import cli
+
+    with pytest.raises(cli.UsageError, match="--sfi-replace: give the whole SFI config in --sfi"):
+        cli._cmd_demo(cli.build_parser().parse_args(["demo", "--sfi-replace"]))
