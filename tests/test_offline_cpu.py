@@ -157,6 +157,30 @@ def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, c
     assert "only as sfi.mode lossless" in capsys.readouterr().err
 
 
+def test_batch_with_nothing_left_to_run_loads_no_engine(tmp_path, capsys, monkeypatch):
+    import vllm
+
+    from sfi_vllm.tools import cli
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was loaded")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    out.write_text('{"id": "a", "text": "1"}\n{"id": "b", "error": "E"}\n')
+    missing = str(tmp_path / "no-model")  # not reached
+    assert cli.main(["batch", str(inp), str(out), "--model", missing]) == 1  # b's error stays
+    err = capsys.readouterr().err
+    assert "nothing to run: all 2 requests" in err and "1 of them errors of an earlier run" in err
+    out.write_text('{"id": "a", "text": "1"}\n{"id": "b", "text": "2"}\n')
+    assert cli.main(["batch", str(inp), str(out), "--model", missing]) == 0
+    # with b's error retried, there is something to run: the model is then needed
+    out.write_text('{"id": "a", "text": "1"}\n{"id": "b", "error": "E"}\n')
+    with pytest.raises(AssertionError, match="an engine was loaded"):
+        cli.main(["batch", str(inp), str(out), "--model", missing, "--retry-errors"])
+
+
 def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_otherwise(tmp_path, capsys):
     from sfi_vllm.tools import cli
 

@@ -407,6 +407,18 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
         yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages, line=lineno)
 
 
+def left_to_run(in_path: str | Path, out_path: str | Path, retry_errors: bool = False) -> tuple[int, int, int]:
+    """``(lines, to run, earlier errors)`` of a batch before its engine loads: the input's
+    requests, those not yet in the output (``run_batch`` skips the others), and those whose record
+    there is an error that stays (not ``retry_errors``)."""
+    in_path, out_path = Path(in_path), Path(out_path)
+    lines = read_input_lines(in_path, out_path)
+    skip = done_ids(out_path, retry_errors)
+    ids = [_peek_id(t, i) for i, t in lines]
+    earlier = 0 if retry_errors else len(set(ids) & earlier_error_ids(out_path))
+    return len(ids), sum(1 for rid in ids if rid not in skip), earlier
+
+
 def _runs_sfi(llm: Any) -> bool:
     """Whether ``llm``'s engine runs the SFI backend (registered as vLLM's CUSTOM backend)."""
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)

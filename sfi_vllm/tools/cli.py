@@ -205,13 +205,19 @@ def batch_engine_kwargs(args: argparse.Namespace, model: str, flags: dict[str, A
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, read_input_lines, run_batch
+    from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, left_to_run, run_batch
 
     flags = _batch_flags(args)  # bad flags stop here, before the files are read or the engine loads
     try:  # the files, before the engine loads
-        read_input_lines(args.input, args.output)
+        total, todo, earlier = left_to_run(args.input, args.output, args.retry_errors)
     except BatchFileError as e:
         raise UsageError(str(e)) from None
+    if todo == 0:  # a finished batch run again: nothing for an engine to do
+        errors = (f"; {earlier} of them errors of an earlier run (--retry-errors runs them again)"
+                  if earlier else "")
+        print(f"sfi-vllm batch: nothing to run: all {total} requests of {args.input} are already in "
+              f"{args.output}{errors}", file=sys.stderr)
+        return 1 if earlier else 0
     model = _model_dir(args.model, "batch")
     engine_env_for_this_process()
     import torch
