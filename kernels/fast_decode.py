@@ -26,7 +26,7 @@ starts at replay time.
 Wide tiles (``wide_block_n``, off by default): a dense row of at least ``wide_from`` keys that
 writes no scores reads its keys ``wide_block_n`` at a time, the other rows ``block_n`` at a time, in
 the same launch. On the H200, 64-key tiles took 13-14% off dense rows at 128K contexts and added
-15-17% at 16K-32K; compiled in, they left the fast rows' time within 3% at batches 1-8 and made it
+15-17% at 16K-32K; compiled in, they left the fast rows' time within 3.3% at batches 1-8 and made it
 31% slower at 16 x 16K, so the engine does not pass them
 (benchmarks/results/wide-tiles-h200.txt).
 
@@ -147,7 +147,8 @@ def _window_part(q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["layer", "stride_btb", "wide_from"])  # values that change with the batch
+# values that change with the batch (layer, stride_btb) or that need no specialization (wide_from)
+@triton.jit(do_not_specialize=["layer", "stride_btb", "wide_from"])
 def _fast_decode_split(
     Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer, wide_from,

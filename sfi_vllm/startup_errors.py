@@ -64,7 +64,7 @@ def report(exc: BaseException, prog: str = "sfi-vllm") -> bool:
     msg = startup_message(exc)
     if msg is None:
         return False
-    print(msg if msg.startswith(f"{prog}:") or msg.startswith(f"{prog} ") else f"{prog}: {msg}", file=sys.stderr)
+    print(msg if msg.startswith("sfi-vllm") else f"{prog}: {msg}", file=sys.stderr)  # named once
     print(f"(traceback: set {DEBUG_ENV}=1 or VLLM_LOGGING_LEVEL=DEBUG)", file=sys.stderr, flush=True)
     return True
 

@@ -54,6 +54,7 @@ def test_lossless_sets_the_drafters_backend_to_sfi():
      "drafter's revision ('v2') differs from the model's (None)"),
     (SimpleNamespace(**vars(_spec()), rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
     (SimpleNamespace(**vars(_spec()), parallel_drafting=True), "parallel_drafting"),
+    (SimpleNamespace(**vars(_spec()), kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8': leave it out"),
 ])
 def test_lossless_refuses_other_drafters(spec, needle):
     problems = speculative_problems(build_config(LOSSLESS), _engine(None, spec))

@@ -86,9 +86,10 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
 
 @pytest.mark.parametrize("attention_backend, extra, needle", [
     # SFI settings on an engine without the SFI backend would be ignored
-    (None, dict(additional_config={"sfi": {"selected_tokens": 64}}), "add --attention-backend sfi, or drop them"),
+    (None, dict(additional_config={"sfi": {"selected_tokens": 64}}), "add --attention-backend sfi (offline"),
     # what the SFI backends cannot read
-    ("sfi", dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported: drop --kv-cache-dtype"),
+    ("sfi", dict(kv_cache_dtype="fp8"), "model's dtype; got --kv-cache-dtype fp8: drop --kv-cache-dtype"),
+    ("sfi", dict(kv_cache_dtype="bfloat16"), "got --kv-cache-dtype bfloat16"),  # on the CPU: auto only
     # found in the front end, not only in the engine's process (where it comes inside worker tracebacks)
     ("sfi", dict(additional_config={"sfi": {"stats_file": "/nonexistent-dir/stats.jsonl"}}),
      "sfi.stats_file: cannot append to '/nonexistent-dir/stats.jsonl'"),
@@ -113,10 +114,22 @@ def test_the_printed_message_names_sfi_vllm_once(capsys):
     from sfi_vllm.patches.config_check import SFIStartupError
     from sfi_vllm.startup_errors import report
 
-    assert report(SFIStartupError("sfi-vllm cannot serve this configuration: x"))
-    assert report(SFIConfigError("sfi.sinks: bad"))
+    assert report(SFIStartupError("sfi-vllm cannot serve this configuration: x"), prog="sfi-vllm batch")
+    assert report(SFIConfigError("sfi.sinks: bad"), prog="sfi-vllm batch")
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "sfi-vllm cannot serve this configuration: x" and err[2] == "sfi-vllm: sfi.sinks: bad"
+    assert err[0] == "sfi-vllm cannot serve this configuration: x" and err[2] == "sfi-vllm batch: sfi.sinks: bad"
+
+
+def test_the_kv_cache_must_be_in_the_models_dtype():
+    import torch
+
+    from sfi_vllm.patches.config_check import kv_cache_in_model_dtype
+
+    assert kv_cache_in_model_dtype("auto", torch.float32, cuda=False)
+    assert kv_cache_in_model_dtype("bfloat16", torch.bfloat16, cuda=True)
+    assert not kv_cache_in_model_dtype("bfloat16", torch.float16, cuda=True)
+    assert not kv_cache_in_model_dtype("bfloat16", torch.bfloat16, cuda=False)  # the CPU backend: auto only
+    assert not kv_cache_in_model_dtype("fp8_e4m3", torch.bfloat16, cuda=True)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -59,17 +59,17 @@ def check_sfi_engine(vllm_config) -> None:
             problems.append("MLA attention is not supported")
         if getattr(model_config, "get_sliding_window", lambda: None)():
             problems.append("sliding-window attention is not supported")
-    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
-    if cache_dtype not in ("auto", "bfloat16", "float16", "half", "float32", "float"):
-        problems.append(f"sfi-vllm reads the KV cache in the model's dtype; --kv-cache-dtype {cache_dtype} is not "
-                        "supported: drop --kv-cache-dtype")
-    if cfg.stats_file:  # the engine's process checks it too; here the message reaches the user alone
-        try:
-            with open(cfg.stats_file, "a"):
-                pass
-        except OSError as e:
-            problems.append(f"sfi.stats_file: cannot append to {cfg.stats_file!r} ({e.strerror or e}); give a "
-                            "writable file in an existing directory")
+    cuda = current_platform.is_cuda_alike()
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "auto"
+    if not kv_cache_in_model_dtype(cache_dtype, getattr(model_config, "dtype", None), cuda):
+        problems.append(f"the KV cache must be in the model's dtype; got --kv-cache-dtype {cache_dtype}: "
+                        "drop --kv-cache-dtype")
+    if cfg.stats_file and not os.access(cfg.stats_file, os.W_OK) and (
+            os.path.exists(cfg.stats_file) or not os.access(os.path.dirname(os.path.abspath(cfg.stats_file)),
+                                                            os.W_OK)):
+        # the engine's process checks it too (by opening it); here the message reaches the user alone
+        problems.append(f"sfi.stats_file: cannot append to {cfg.stats_file!r}; give a writable file in an "
+                        "existing directory")
     if cfg.experimental.candidate_pages and current_platform.is_cuda_alike() and cfg.kernels != "torch":
         problems.append("sfi.experimental.candidate_pages runs on the torch reference path only (the GPU kernels "
                         "score every key): set sfi.kernels torch, or leave it out")
@@ -90,6 +90,18 @@ def check_sfi_engine(vllm_config) -> None:
     if model_config is not None:
         install_request_validation(cfg, model_config)
     logger.info("sfi-vllm on vLLM %s: %s", version, cfg.model_dump(exclude_defaults=True) or "defaults")
+
+
+def kv_cache_in_model_dtype(cache_dtype: str, model_dtype, cuda: bool) -> bool:
+    """Whether SFI's kernels can read a KV cache of ``--kv-cache-dtype`` ``cache_dtype``: the
+    model's dtype (``auto``, or on CUDA the model's own dtype by name); a quantized (fp8) cache or
+    another float type is not read."""
+    import torch
+
+    if cache_dtype == "auto":
+        return True
+    named = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cache_dtype)
+    return cuda and named is not None and named == model_dtype
 
 
 def check_compact_budget(cfg, vllm_config, packed: bool) -> None:
@@ -180,6 +192,10 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
         # dense outputs
         problems.append("sfi.mode lossless runs without async scheduling (not validated with it); "
                         "drop --async-scheduling (vLLM leaves it off for draft_model by default)")
+    draft_cache = getattr(spec, "kv_cache_dtype", None)
+    if draft_cache not in (None, "auto"):
+        problems.append(f"sfi.mode lossless drafts from the model's KV cache; got the speculative config's "
+                        f"kv_cache_dtype {draft_cache!r}: leave it out")
     if getattr(spec, "parallel_drafting", False):
         problems.append("sfi.mode lossless drafts one token per pass; parallel_drafting needs a drafter "
                         "trained for it")
@@ -216,7 +232,7 @@ def refuse_sfi_settings_without_sfi(vllm_config) -> None:
     if isinstance(extra, dict) and extra.get("sfi"):
         raise SFIStartupError("sfi-vllm: --additional-config holds SFI settings (its 'sfi' key), but the "
                               "attention backend is not sfi, so they would be ignored: add "
-                              "--attention-backend sfi, or drop them")
+                              "--attention-backend sfi (offline: LLM(attention_backend=\"sfi\")), or drop them")
 
 
 def install() -> None:

@@ -72,9 +72,10 @@ CPU_ROWS = dict(page=16, seq_lens=(300, 90, 130, 70, 45, 0), compact=(40, 3, 65,
 CASES = [
     *(case("cpu", dtype, dict(hq=4, hkv=2, d=32, **CPU_ROWS), tol, id=shape_id(dtype, 4, 2, 32))
       for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 5e-3))),
-    # wide tiles for the dense rows from 40 keys on: one dense row of 45 keys takes them, the
-    # other (the padding row) does not
-    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **CPU_ROWS, wide=(64, 40)), 1e-5,
+    # wide tiles for the dense rows from 40 keys on: a dense row of 200 keys takes them (tiles
+    # across the split boundaries of 2 and 3 splits), the padding row does not
+    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **{**CPU_ROWS, "seq_lens": (300, 90, 130, 70, 200, 0),
+                                                          "splits": (1, 2, 3)}, wide=(64, 40)), 1e-5,
          id=shape_id(torch.float32, 4, 2, 32) + "-wide"),
     *(case("cuda", dtype, dict(hq=hq, hkv=hkv, d=d), 1e-2, id=shape_id(dtype, hq, hkv, d))
       for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES),
