@@ -379,9 +379,16 @@ class EngineSettings(_SettingsModel):
 
     # The boundary trigger's vocabulary and how it reads the sampled tokens.
     newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
-    boundary_token_ids: list[NonNegativeInt] | None = Field(
+    boundary_token_ids: list[int] | None = Field(
         None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
     )
+    @field_validator("boundary_token_ids")
+    @classmethod
+    def _token_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("token ids are 0 or more")
+        return ids
+
     boundary_read: Literal["auto", "exact", "lagged"] = Field(
         "auto",
         description=(
@@ -713,9 +720,13 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
         own = [p for p in ((key,), *names) if p[:1] == (key,) and p in names]
         path = own[0] if own else (key,) if key in request or "preset" not in request else ("preset",)
         name = names.get(path, f"sfi.{'.'.join(path)}")
-        asked = getattr(cfg, key)  # as validated: over HTTP a JSON false arrives as 0
+        asked, theirs, field = getattr(cfg, key), getattr(engine, key), key  # asked as validated
+        while isinstance(asked, BaseModel) and isinstance(theirs, BaseModel):  # the nested field that differs
+            sub = next(f for f in type(asked).model_fields if getattr(asked, f) != getattr(theirs, f))
+            asked, theirs, field = getattr(asked, sub), getattr(theirs, sub), f"{field}.{sub}"
+        where = f"sfi.{field} " if field != key else ""
         error = SFIConfigError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
-                               f"(engine: {getattr(engine, key)!r}, request: {asked!r}); "
+                               f"({where}engine: {theirs!r}, request: {asked!r}); "
                                "set it in the engine's --additional-config")
         error.locs = [path]
         raise error

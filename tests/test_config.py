@@ -49,7 +49,7 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": "max"}, "sfi.fused_scores_tokens"),
         ({"experimental": {"selector_top_k": "cub"}}, "sfi.experimental.selector_top_k"),
         ({"selector_top_k": "triton"}, "sfi.selector_top_k moved to sfi.experimental.selector_top_k"),
-        ({"boundary_token_ids": [13, -1]}, "sfi.boundary_token_ids.1"),
+        ({"boundary_token_ids": [13, -1]}, "token ids are 0 or more; got [13, -1]"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):

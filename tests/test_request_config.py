@@ -271,6 +271,9 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
     with pytest.raises(SFIRequestError, match="sfi.experimental is an engine-wide setting") as e:
         resolve_request_config(lim, {"sfi_experimental_selector_top_k": "triton"})
     assert e.value.param == "vllm_xargs.sfi_experimental_selector_top_k"
+    # the message names the nested field that differs, not the whole group
+    assert "(sfi.experimental.selector_top_k engine: 'auto', request: 'triton')" in str(e.value)
+    assert "ExperimentalConfig(" not in str(e.value)
     same = resolve_request_config(lim, {"sfi": {"experimental": {"selector_top_k": "auto"}}})  # the engine's
     assert same.experimental.selector_top_k == "auto"
     with pytest.raises(SFIRequestError, match="unknown SFI setting; allowed: .*sfi_experimental_selector_top_k"):
