@@ -273,8 +273,8 @@ class Policy(_SettingsModel):
         ),
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
-                         description="min fast steps between slow steps (at most reuse_budget: a request that sets "
-                         "reuse_budget below the engine's min_gap must set min_gap too)")
+                         description="min fast steps between slow steps (in the lossy mode at most reuse_budget: a "
+                         "request that sets reuse_budget below the engine's min_gap must set min_gap too)")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
     )
@@ -321,10 +321,6 @@ class Policy(_SettingsModel):
         if self.selected_floor > self.selected_cap:
             raise ValueError(
                 f"selected_floor ({self.selected_floor}) must be <= selected_cap ({self.selected_cap})"
-            )
-        if self.min_gap > self.reuse_budget:
-            raise ValueError(
-                f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
             )
         if self.policy == "quest":
             # K holds whole pages: a page larger than the largest K would leave the policy with
@@ -489,6 +485,10 @@ class SFIConfig(EngineSettings, Policy):
 
     @model_validator(mode="after")
     def _cross_half_checks(self) -> "SFIConfig":
+        if self.min_gap > self.reuse_budget and self.mode == "lossy":  # lossless drafting has no min_gap
+            raise ValueError(
+                f"min_gap ({self.min_gap}) must be <= reuse_budget ({self.reuse_budget})"
+            )
         if self.experimental.candidate_pages and self.selector.page_size <= 1:
             raise ValueError("experimental.candidate_pages (an engine setting) needs page selection: "
                              f"selector.page_size must be > 1, not {self.selector.page_size} (the paper "

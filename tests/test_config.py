@@ -58,6 +58,13 @@ def test_bad_values_name_the_field(bad, needle):
     assert needle in str(e.value)
 
 
+def test_min_gap_bounds_the_reuse_budget_in_the_lossy_mode_only():
+    # lossless drafting has no min_gap (its drafter re-selects at a verify or at the reuse budget)
+    assert build_config({"mode": "lossless", "reuse_budget": 8}, use_env=False).reuse_budget == 8
+    with pytest.raises(SFIConfigError, match=r"min_gap \(16\) must be <= reuse_budget \(8\)"):
+        build_config({"reuse_budget": 8}, use_env=False)
+
+
 def test_slow_in_graph_resolves_where_the_refresh_allows_it():
     # unset (the default): on with the per-step refresh, off where the settings exclude it, no error
     assert build_config({}, use_env=False).graph_slow_enabled

@@ -336,3 +336,12 @@ def test_a_request_merge_cannot_change_an_engine_setting(monkeypatch):
     with pytest.raises(SFIConfigError, match=r"^req\.preset: sfi\.kernels is an engine-wide setting") as e:
         merge_policy(engine, {"preset": "paper"}, field_names={("preset",): "req.preset"})
     assert e.value.locs == [("preset",)]
+
+
+def test_a_lossless_request_may_set_a_reuse_budget_below_min_gap():
+    """min_gap paces the lossy mode's slow steps; the lossless drafter has none to pace."""
+    lossless = resolve_request_config(limits({**ENGINE, "mode": "lossless"}),
+                                      {"sfi_draft_reselect": "reuse_budget", "sfi_reuse_budget": 8})
+    assert (lossless.reuse_budget, lossless.min_gap) == (8, 16)
+    with pytest.raises(SFIRequestError, match=r"min_gap \(16\) must be <= reuse_budget \(8\)"):
+        resolve_request_config(limits(), {"sfi_reuse_budget": 8})
