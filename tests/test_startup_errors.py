@@ -90,6 +90,8 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     # what the SFI backends cannot read
     ("sfi", dict(kv_cache_dtype="fp8"), "model's dtype; got --kv-cache-dtype fp8: drop --kv-cache-dtype"),
     ("sfi", dict(kv_cache_dtype="bfloat16"), "got --kv-cache-dtype bfloat16"),  # on the CPU: auto only
+    ("sfi", dict(additional_config={"sfi": {"boundary_token_ids": [13, 99999999]}}),
+     "sfi.boundary_token_ids: [99999999] are not token ids of this model"),
     # found in the front end, not only in the engine's process (where it comes inside worker tracebacks)
     ("sfi", dict(additional_config={"sfi": {"stats_file": "/nonexistent-dir/stats.jsonl"}}),
      "sfi.stats_file: cannot append to '/nonexistent-dir/stats.jsonl'"),

@@ -59,6 +59,11 @@ def check_sfi_engine(vllm_config) -> None:
             problems.append("MLA attention is not supported")
         if getattr(model_config, "get_sliding_window", lambda: None)():
             problems.append("sliding-window attention is not supported")
+        vocab = getattr(model_config, "get_vocab_size", lambda: None)()
+        beyond = [i for i in cfg.boundary_token_ids or () if vocab and i >= vocab]
+        if beyond:
+            problems.append(f"sfi.boundary_token_ids: {beyond} are not token ids of this model (its vocabulary "
+                            f"has {vocab}); they would never match")
     cuda = current_platform.is_cuda_alike()
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "auto"
     if not kv_cache_in_model_dtype(cache_dtype, getattr(model_config, "dtype", None), cuda):
