@@ -11,12 +11,16 @@ backend is CUSTOM and sfi-vllm registered it, we:
   value stops start-up with a message that names the field and its allowed range;
 * reject what SFI cannot serve: speculative decoding other than ``sfi.mode: lossless`` (whose
   drafter it sets up), encoder-decoder models, MLA, hybrid models whose layers are not all full
-  attention (checked per layer later), and;
+  attention (checked per layer later), a KV cache in another dtype than the model's, and a
+  ``sfi.stats_file`` it cannot append to (also checked in the engine's process; here the message
+  reaches the user as one line);
 * give the front end's check of each request's SFI settings the engine's limits
   (:mod:`sfi_vllm.request_validation`);
 * on CUDA, select the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): sfi-vllm's step hook is
   written for it (:mod:`sfi_vllm.patches.runner_hooks`). An explicit ``VLLM_USE_V2_MODEL_RUNNER=1``
   is refused.
+
+On any other engine, SFI settings in ``--additional-config`` are refused: they would be ignored.
 """
 
 from __future__ import annotations
