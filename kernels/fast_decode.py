@@ -27,7 +27,8 @@ Wide tiles (``wide_block_n``, off by default): a dense row of at least ``wide_fr
 writes no scores reads its keys ``wide_block_n`` at a time, the other rows ``block_n`` at a time, in
 the same launch. On the H200, 64-key tiles took 13-14% off dense rows at 128K contexts and added
 15-17% at 16K-32K; compiled in, they left the fast rows' time within 3.3% at batches 1-8 and made it
-31% slower at 16 x 16K, so the engine does not pass them
+31% slower at 16 x 16K, so the engine passes them only with ``sfi.experimental.wide_dense_tiles``,
+for dense rows of at least 64K keys in launches of at most 8 rows
 (benchmarks/results/wide-tiles-h200.txt).
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one

@@ -22,6 +22,15 @@ from sfi_vllm.controller import SFIController
 from sfi_vllm.host_copy import rows_to_device, tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
 
+# sfi.experimental.wide_dense_tiles: the fast-step kernel's wide tiles (kernels/fast_decode.py, "Wide
+# tiles") for the dense rows of at least WIDE_DENSE_FROM keys, in uniform launches of at most
+# WIDE_DENSE_MAX_ROWS rows. On the H200 (benchmarks/results/wide-tiles-h200.txt) 64-key tiles took
+# 13-14% off dense rows at 128K and added 15-17% at 16K-32K; the fast rows of the same launch stayed
+# within 3.3% at batches 1-8 and were 31% slower at 16 x 16K.
+WIDE_DENSE_TILE = 64
+WIDE_DENSE_FROM = 65536
+WIDE_DENSE_MAX_ROWS = 8
+
 
 class PackedSFILayer(SFILayer):
     """One layer's SFI state and work on the kernel path (see the module doc)."""
@@ -33,6 +42,8 @@ class PackedSFILayer(SFILayer):
         # the engine's shared device resources (refresh stream, selection graphs, per-step
         # refresh, fused scores)
         self.executor = executor_for(controller)
+        # dense rows of at least this many keys take wide tiles in small uniform launches (0: never)
+        self.wide_dense_from = WIDE_DENSE_FROM if controller.cfg.experimental.wide_dense_tiles else 0
 
     def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
@@ -241,6 +252,7 @@ class PackedSFILayer(SFILayer):
         assert buf is not None
         b = min(tables.rows, query.shape[0])
         splits = uniform_num_splits(b, self.num_kv_heads)
+        wide = WIDE_DENSE_TILE if self.wide_dense_from and b <= WIDE_DENSE_MAX_ROWS else 0
         need = b * self.num_heads * splits * (self.head_size + 1)
         if need > workspace.numel():
             raise RuntimeError(f"sfi-vllm: fast-step workspace holds {workspace.numel()} floats, "
@@ -260,4 +272,4 @@ class PackedSFILayer(SFILayer):
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
             self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
-            stage=self.stage, scores=scores)
+            stage=self.stage, scores=scores, wide_block_n=wide, wide_from=self.wide_dense_from)

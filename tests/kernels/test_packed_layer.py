@@ -102,6 +102,28 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     dense = dense_attention(qd[n - 1], keys, values, d ** -0.5).cpu()
     assert ((out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "dense row"
     assert torch.all(out[n] == 0), "padding row"
+    # sfi.experimental.wide_dense_tiles: the same launch with the dense row over the threshold
+    import sfi_vllm.kernels.fast_decode as fd
+
+    launches = []
+    plain = fd.fast_decode_attention
+
+    def spy(*args, **kwargs):
+        launches.append((kwargs.get("wide_block_n"), kwargs.get("wide_from")))
+        return plain(*args, **kwargs)
+
+    fast.wide_dense_from = ctx[-1] - 1
+    wide_out = torch.full_like(qu, float("nan"))
+    fd.fast_decode_attention = spy
+    try:
+        fast.fast_uniform(uni, paged, qu, wide_out, ws)
+    finally:
+        fd.fast_decode_attention = plain
+    assert launches == [(64, ctx[-1] - 1)], launches
+    wide_out = wide_out.float().cpu()
+    assert ((wide_out[: n - 1] - out[: n - 1]).norm() / out[: n - 1].norm()).item() < 1e-3, "wide: fast rows"
+    assert ((wide_out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "wide: dense row"
+    assert torch.all(wide_out[n] == 0), "wide: padding row"
     return err
 
 
