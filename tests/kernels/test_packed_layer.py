@@ -459,7 +459,6 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers
     from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
-    from sfi_vllm.lossless import plan_draft
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import FakeCAM, plan_for
