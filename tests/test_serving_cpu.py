@@ -201,13 +201,18 @@ def test_bad_sfi_settings_get_a_400_naming_the_field_while_others_run(server):
         if field.startswith("vllm_xargs.sfi"):
             assert body.get("param") == field, (xargs, body)
         answers.append((xargs, err.status_code, body.get("param"), body.get("message", "")[:200]))
-    # a bad streaming request: vLLM answers a stream's validation error inside the stream
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
-            "model": server.model, "prompt": "Hello", "max_tokens": 4, "stream": True,
-            "vllm_xargs": {"sfi": "dense"}}) as r:
-        events = [line for line in r.iter_lines() if line.startswith("data: ")]
-    first = json.loads(events[0][len("data: "):])
-    assert first["error"]["code"] == 400 and first["error"]["param"] == "vllm_xargs.sfi", first
+    # a bad streaming request: an HTTP 400 before any stream starts (not vLLM's error event inside
+    # a 200 stream, which also logs a traceback), on both routes
+    for route, body in (("completions", {"prompt": "Hello", "max_tokens": 4}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}),
+                        ("responses", {"input": "Hello", "max_output_tokens": 4})):
+        r = httpx.post(f"{server.url}/v1/{route}", timeout=60, json={
+            "model": server.model, "stream": True, "vllm_xargs": {"sfi": "dense"}, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.sfi", r.text
+    assert "stream generator" not in server.log()
+    r = httpx.post(f"{server.url}/v1/responses", timeout=120, json={  # the wrapped route still serves
+        "model": server.model, "input": "Hello", "max_output_tokens": 4, "vllm_xargs": {"sfi_reuse_budget": 4}})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4, r.text
     # beam search runs its steps without vllm_xargs: SFI settings with it are refused, not dropped
     for route, body in (("completions", {"prompt": "Every evening the keeper"}),
                         ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):

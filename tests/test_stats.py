@@ -109,3 +109,33 @@ def test_the_executor_counts_both_refresh_paths_together():
     ex.step_refresh.replays, ex.step_refresh.captures, ex.step_refresh.eager_runs = 7, 1, 2
     ex.slow_selection.replays, ex.slow_selection.captures, ex.slow_selection.eager_runs = 3, 2, 5
     assert ex.graph_runs() == {"replay": 10, "capture": 3, "eager": 7}
+
+
+def test_prompt_tokens_is_the_prompts_length_whatever_the_prefill_chunks():
+    """A prompt prefilled in chunks (a request aborted after its first chunk, say) and a request
+    that recomputes its prompt and output after a preemption both record the prompt's length."""
+    import numpy as np
+    import torch
+
+    from test_policies import controller
+
+    ctl = controller()
+    ctl.plan_step(["chunked"], np.array([256]), np.array([0]), [1000], torch.tensor([3]))
+    ctl.end_step()
+    assert ctl.stats.get("chunked").prompt_tokens == 1000
+    ctl.plan_step(["resumed"], np.array([1100]), np.array([0]), [1000], torch.tensor([3]))
+    ctl.end_step()
+    st = ctl.stats.get("resumed")
+    assert st.prompt_tokens == 1000 and st.prefill_steps == 1
+
+
+def test_docs_name_every_field_of_a_stats_line():
+    """docs/serving.md's table of the stats file's fields names each field a line has."""
+    from pathlib import Path
+
+    from sfi_vllm.stats import RequestStats
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    fields = [*RequestStats("r").to_dict(), "retired"]
+    missing = [f for f in fields if f"`{f}`" not in docs]
+    assert not missing, f"docs/serving.md does not describe the stats file's {missing}"

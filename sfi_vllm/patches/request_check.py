@@ -20,13 +20,21 @@ Why not vLLM's other request hook, a V1 logits processor whose classmethod ``val
 This wrapper costs one function call per request in the front end and nothing in the worker. It
 wraps a classmethod of the current platform's class, as :mod:`sfi_vllm.patches.config_check` does.
 
-Beam search never reaches that hook with the client's settings: the OpenAI server turns a request
-with ``use_beam_search`` into ``BeamSearchParams`` (``to_beam_search_params`` of
-``CompletionRequest`` and ``ChatCompletionRequest``, ``entrypoints/openai/*/protocol.py``), which
-carries no ``vllm_xargs``, and runs each beam step as a new request without them. The second
-wrapper refuses such a request when it carries SFI settings
-(:func:`sfi_vllm.request_validation.validate_beam_search_request`) instead of letting them be
-dropped; beam search without SFI settings runs as vLLM runs it.
+The OpenAI server's request classes (``CompletionRequest``, ``ChatCompletionRequest``,
+``ResponsesRequest``) are wrapped too, where the server has imported them:
+
+* ``to_sampling_params``, which the route calls before it starts a response, also runs the check
+  on the parameters it returns, so that a streaming request with bad SFI settings gets a real
+  HTTP 400 (vLLM's handler for its ``VLLMValidationError``) before any stream starts: vLLM checks a
+  request (``validate_request`` above) at the stream's first iteration, after the route has
+  answered 200, and logs that as an error with a traceback. The platform hook still checks every
+  request, offline ones and those of other routes included.
+* ``to_beam_search_params``: beam search never reaches ``validate_request`` with the client's
+  settings: the server turns a request with ``use_beam_search`` into ``BeamSearchParams``
+  (``entrypoints/openai/*/protocol.py``), which carries no ``vllm_xargs``, and runs each beam step
+  as a new request without them. The wrapper refuses such a request when it carries SFI settings
+  (:func:`sfi_vllm.request_validation.validate_beam_search_request`) instead of letting them be
+  dropped; beam search without SFI settings runs as vLLM runs it.
 """
 
 from __future__ import annotations
@@ -50,11 +58,11 @@ def install() -> None:
         return original(cls, processed_inputs, params)
 
     platform_cls.validate_request = classmethod(validate_request)
-    _wrap_beam_search_params()
+    _wrap_request_classes()
     _INSTALLED = True
 
 
-def _beam_search_request_classes() -> list[type]:
+def _openai_request_classes() -> list[type]:
     """The OpenAI server's request classes, where this process has imported them: the server's
     module imports them before vLLM loads plugins, and a process without the server (an offline
     ``LLM``, the engine's workers) has no ``vllm_xargs`` to check and pays no import."""
@@ -62,21 +70,32 @@ def _beam_search_request_classes() -> list[type]:
 
     found = []
     for module, name in (("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-                         ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")):
+                         ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+                         ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest")):
         cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and hasattr(cls, "to_beam_search_params"):
+        if cls is not None:
             found.append(cls)
     return found
 
 
-def _wrap_beam_search_params() -> None:
-    from sfi_vllm.request_validation import validate_beam_search_request
+def _wrap_request_classes() -> None:
+    from sfi_vllm.request_validation import validate_beam_search_request, validate_request_params
 
-    for cls in _beam_search_request_classes():
-        original = cls.to_beam_search_params
+    for cls in _openai_request_classes():
+        to_beam = getattr(cls, "to_beam_search_params", None)
+        if to_beam is not None:
+            def to_beam_search_params(self, *args, _original=to_beam, **kwargs):
+                validate_beam_search_request(getattr(self, "vllm_xargs", None))
+                return _original(self, *args, **kwargs)
 
-        def to_beam_search_params(self, *args, _original=original, **kwargs):
-            validate_beam_search_request(getattr(self, "vllm_xargs", None))
-            return _original(self, *args, **kwargs)
+            cls.to_beam_search_params = to_beam_search_params
+        to_sampling = getattr(cls, "to_sampling_params", None)
+        if to_sampling is None:
+            continue
 
-        cls.to_beam_search_params = to_beam_search_params
+        def to_sampling_params(self, *args, _original=to_sampling, **kwargs):
+            params = _original(self, *args, **kwargs)
+            validate_request_params(params)
+            return params
+
+        cls.to_sampling_params = to_sampling_params
