@@ -283,8 +283,11 @@ class Policy(_SettingsModel):
         ),
     )
     min_gap: int = Field(16, ge=0, le=1 << 20,
-                         description="min fast steps between slow steps (in the lossy mode at most reuse_budget: a "
-                         "request that sets reuse_budget below the engine's min_gap must set min_gap too)")
+                         description="boundary trigger: a sentence end fires a slow step only after this many fast "
+                         "steps since the last slow step (the reuse budget fires regardless, and reuse_stagger "
+                         "may shorten the interval after a first selection below it). In the lossy mode at most "
+                         "reuse_budget: a request that sets reuse_budget below the engine's min_gap must set "
+                         "min_gap too")
     dense_below_context: int = Field(
         0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
     )

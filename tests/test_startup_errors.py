@@ -147,7 +147,8 @@ def test_the_kv_cache_must_be_in_the_models_dtype():
     (["eval", "--policies", "sfi,bogus"], "unknown policy 'bogus'"),
     (["eval", "--policies", "sfi@0.1/2"], "got 2"),
     (["eval", "--tasks", "passkey,nope"], "unknown task 'nope'"),
-    (["suite", "--out", "s.jsonl", "--contexts", "2048,0"], "--contexts: must be at least 1, got 0"),
+    (["suite", "--out", "s.jsonl", "--contexts", "2048,0"], "--contexts: a suite's context holds at least 512"),
+    (["eval", "--contexts", "100"], "--contexts: a suite's context holds at least 512 tokens, got 100"),
 ])
 def test_cli_refuses_counts_that_leave_nothing_to_run(argv, needle, capsys):
     """A count of 0 or below once made `demo` and `batch` wait for ever after the engine loaded
@@ -182,3 +183,61 @@ def test_demo_sfi_replace_needs_sfi():
 
     with pytest.raises(cli.UsageError, match="--sfi-replace: give the whole SFI config in --sfi"):
         cli._cmd_demo(cli.build_parser().parse_args(["demo", "--sfi-replace"]))
+
+
+def test_demo_runs_the_lossless_mode_through_its_flag():
+    from sfi_vllm.tools import cli
+
+    with pytest.raises(cli.UsageError, match="the demo runs the lossless mode with --lossless"):
+        cli._cmd_demo(cli.build_parser().parse_args(["demo", "--sfi", '{"mode": "lossless"}']))
+
+
+def test_cli_user_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
+    """A file that is missing or not what the command reads, bad engine keyword arguments and
+    conflicting flags: one line naming the problem, no traceback (``--debug`` shows it)."""
+    from sfi_vllm.tools import cli
+
+    missing = str(tmp_path / "none.jsonl")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"task": "passkey", "context": 1024, "index": 0, "prompt": "x"}\n')
+    cases = [
+        (["report", missing, str(tmp_path / "rep")], f"sfi-vllm report: {missing}: No such file or directory"),
+        (["report", str(suite), str(tmp_path / "rep")], "not the rows (and --raw records) of sfi-vllm eval: "
+                                                        "a record has no 'policy' field"),
+        (["rescore", str(suite), "--out", str(tmp_path / "r.jsonl")], "a record has no 'policy' field"),
+        (["fidelity", "--from-raw", missing, "--out", str(tmp_path / "f.jsonl")], "No such file or directory"),
+        (["fidelity", "--from-raw", str(suite), "--out", str(tmp_path / "f.jsonl")],
+         "not the --raw records of sfi-vllm fidelity: a record has no 'kind' field"),
+        (["config", "--markdown", "--sfi", '{"preset": "paper"}'], "--markdown prints the table"),
+        (["batch", str(suite), str(tmp_path / "o.jsonl"), "--engine-kwargs", '{"max_model_length": 512}'],
+         "'max_model_length' is not a keyword argument of vllm.LLM; did you mean 'max_model_len'?"),
+    ]
+    for argv, needle in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (argv, err)
+    with pytest.raises(FileNotFoundError):
+        cli.main(cases[0][0] + ["--debug"])
+
+
+def test_batch_says_an_empty_input_holds_no_requests(tmp_path, capsys):
+    from sfi_vllm.tools import cli
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli.main(["batch", str(empty), str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "none")]) == 0
+    assert f"{empty} holds no requests" in capsys.readouterr().err
+
+
+def test_fidelity_warns_when_its_tokens_are_bridge_steps_alone(monkeypatch, capsys):
+    from sfi_vllm.tools import cli
+    from sfi_vllm.tools.quality import fidelity
+
+    def stop(**kw):
+        raise cli.UsageError("stopped before the engine")
+
+    monkeypatch.setattr(fidelity, "run_fidelity", stop)
+    assert cli.main(["fidelity", "--tokens", "16", "--out", "f.jsonl"]) == 2
+    assert "--tokens 16: the first 16 decode steps after a prompt attend densely" in capsys.readouterr().err
+    assert cli.main(["fidelity", "--tokens", "17", "--out", "f.jsonl"]) == 2
+    assert "attend densely" not in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -105,6 +106,44 @@ class UsageError(ValueError):
     """A bad command-line value: printed as one line, exit status 2."""
 
 
+def _engine_kwargs_arg(text: str | None) -> dict:
+    """``--engine-kwargs``: a JSON object of keyword arguments of ``vllm.LLM`` (its own, and
+    ``EngineArgs``' fields, which it passes on), checked before anything loads: ``LLM`` would
+    otherwise fail inside the engine's construction with a ``TypeError``."""
+    kwargs = _json_arg(text, "--engine-kwargs")
+    if kwargs:
+        import dataclasses
+        import difflib
+        import inspect
+
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)} | {
+            name for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise UsageError(f"--engine-kwargs: {key!r} is not a keyword argument of vllm.LLM{hint}")
+    return kwargs
+
+
+@contextlib.contextmanager
+def _rows_of(path: str, what: str):
+    """Reading ``path``, which should hold ``what``: a line that is not JSON, or a record without
+    a field the command reads, is a usage error naming the file, not a traceback."""
+    try:
+        yield
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not {what}: a line is not JSON ({e})") from None
+    except KeyError as e:
+        raise UsageError(f"{path}: not {what}: a record has no {e.args[0]!r} field") from None
+    except ValueError as e:  # what the reader found missing
+        raise UsageError(f"{path}: not {what}: {e}") from None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.demo import DEMO_SFI, DemoLengthError, run_demo
 
@@ -114,6 +153,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.sfi:
         given = _json_arg(args.sfi, "--sfi")
         sfi = given if args.sfi_replace else {**DEMO_SFI, **given}
+    if sfi.get("mode") == "lossless":
+        raise UsageError("--sfi: the demo runs the lossless mode with --lossless (a second engine beside the "
+                         "lossy one, with the same working set); leave mode out of --sfi")
     try:
         run_demo(num_prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                  max_tokens=args.max_tokens, sfi=sfi, seed=args.seed, json_out=args.json,
@@ -129,6 +171,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         from sfi_vllm.tools.config_table import markdown_table
 
+        if args.sfi:
+            raise UsageError("--markdown prints the table of every field with its default and takes no --sfi; "
+                             "without --markdown, --sfi prints the merged configuration")
+
         print(markdown_table(), end="")
         return 0
     cfg = build_config(_json_arg(args.sfi, "--sfi"))
@@ -142,7 +188,7 @@ def _batch_flags(args: argparse.Namespace) -> dict[str, Any]:
     """``sfi-vllm batch``'s engine flags, checked before anything loads: ``sfi`` (``--sfi``), the
     engine's ``mode`` (None for dense), ``engine_kwargs`` and ``spec`` (``--speculative-config``)."""
     engine_sfi = _json_arg(args.sfi, "--sfi")
-    engine_kwargs = _json_arg(args.engine_kwargs, "--engine-kwargs")
+    engine_kwargs = _engine_kwargs_arg(args.engine_kwargs)
     spec = _json_arg(args.speculative_config, "--speculative-config") if args.speculative_config else None
     if spec is not None and "speculative_config" in engine_kwargs:
         raise UsageError("the speculative config is given twice: in --speculative-config and in --engine-kwargs")
@@ -212,6 +258,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         total, todo, earlier = left_to_run(args.input, args.output, args.retry_errors)
     except BatchFileError as e:
         raise UsageError(str(e)) from None
+    if total == 0:
+        print(f"sfi-vllm batch: nothing to run: {args.input} holds no requests", file=sys.stderr)
+        return 0
     if todo == 0:  # a finished batch run again: nothing for an engine to do
         errors = (f"; {earlier} of them errors of an earlier run (--retry-errors runs them again)"
                   if earlier else "")
@@ -259,7 +308,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
              tasks=args.tasks, n=args.samples, seed=args.seed,
              out=args.out, raw_out=args.raw, model=args.model, dtype=args.dtype,
              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_json_arg(args.engine_kwargs, "--engine-kwargs"),
+             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs_arg(args.engine_kwargs),
              suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
              stream_out=args.stream, ablations=args.ablations or (),
              ablation_samples=args.ablation_samples, progress=not args.no_progress, flow=args.flow,
@@ -297,11 +346,10 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     from sfi_vllm.tools.quality.fidelity import load_raw, markdown, paired_top1, rows_from_raw, run_fidelity
 
-    engine_sfi = _json_arg(args.sfi, "--sfi")
-    if engine_sfi:
-        from sfi_vllm.config import build_config
+    from sfi_vllm.config import build_config
 
-        build_config(engine_sfi)  # a bad setting stops here, before the model or the engine loads
+    engine_sfi = _json_arg(args.sfi, "--sfi")
+    bridge = build_config(engine_sfi).bridge_steps  # a bad setting stops here, before anything loads
     if args.model is not None and not args.from_raw:
         from sfi_vllm.tools.quality.runner import check_model_dir
 
@@ -311,8 +359,13 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
             print(f"sfi-vllm fidelity: {e}", file=sys.stderr)
             return 2
     if args.from_raw:
-        rows = rows_from_raw(args.from_raw, args.out)
+        with _rows_of(args.from_raw, "the --raw records of sfi-vllm fidelity"):
+            rows = rows_from_raw(args.from_raw, args.out)
     else:
+        if args.tokens <= bridge:
+            print(f"sfi-vllm fidelity: --tokens {args.tokens}: the first {bridge} decode steps after a prompt "
+                  "attend densely (bridge_steps), so every policy with the bridge is compared on bridge steps "
+                  "alone; give more tokens", file=sys.stderr)
         rows = run_fidelity(policies=args.policies, retentions=args.retentions,
                             contexts=args.contexts, docs=args.docs,
                             tokens=args.tokens, seed=args.seed, out=args.out, raw_out=args.raw,
@@ -334,7 +387,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 def _cmd_rescore(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.runner import rescore
 
-    rows = rescore(args.raw.split(","), args.out, args.merged_raw)
+    with _rows_of(args.raw, "the --raw records of sfi-vllm eval"):
+        rows = rescore(args.raw.split(","), args.out, args.merged_raw)
     also = f" and the merged records to {args.merged_raw}" if args.merged_raw else ""
     print(f"wrote {len(rows)} rows to {args.out}{also}")
     return 0
@@ -343,7 +397,9 @@ def _cmd_rescore(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.report import write_report
 
-    write_report(args.jsonl, args.prefix, args.title, args.command, raw=args.raw)
+    files = args.jsonl + (f" (or {args.raw})" if args.raw else "")
+    with _rows_of(files, "the rows (and --raw records) of sfi-vllm eval"):
+        write_report(args.jsonl, args.prefix, args.title, args.results_command, raw=args.raw)
     return 0
 
 
@@ -392,14 +448,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="the offline long-context suite through vLLM, per policy and budget")
     from sfi_vllm.tools.quality.tasks import TASKS
 
+    from sfi_vllm.tools.quality.tasks import MIN_CONTEXT_TOKENS
+
     contexts = _list_of(_positive_int, "context sizes")
+    suite_contexts = _list_of(_bounded(int, lambda v: v >= MIN_CONTEXT_TOKENS,
+                                       f"a suite's context holds at least {MIN_CONTEXT_TOKENS} tokens"),
+                              "context sizes")
     retentions = _list_of(_retention, "retentions")
     tasks = _list_of(_one_of(TASKS, "task"), "tasks")
     ev.add_argument("--policies", type=_list_of(_policy_entry(POLICIES), "policies"), default=",".join(POLICIES),
                     help="comma-separated; name@r1/r2 runs that policy at those retentions only (0: the "
                     "engine's own working set)")
     ev.add_argument("--retentions", type=retentions, default="0.1,0.2", help="working set / context, comma-separated")
-    ev.add_argument("--contexts", type=contexts, default="2048", help="context sizes in tokens, comma-separated")
+    ev.add_argument("--contexts", type=suite_contexts, default="2048",
+                    help=f"context sizes in tokens, comma-separated (at least {MIN_CONTEXT_TOKENS})")
     ev.add_argument("--tasks", type=tasks, default=None, help="default: all tasks")
     ev.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     ev.add_argument("--seed", type=int, default=0)
@@ -434,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
-    su.add_argument("--contexts", type=contexts, default="2048")
+    su.add_argument("--contexts", type=suite_contexts, default="2048",
+                    help=f"context sizes in tokens, comma-separated (at least {MIN_CONTEXT_TOKENS})")
     su.add_argument("--tasks", type=tasks, default=None, help="default: all tasks")
     su.add_argument("--samples", type=_positive_int, default=2, help="samples per task and context")
     su.add_argument("--seed", type=int, default=0)
@@ -479,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("jsonl")
     rep.add_argument("prefix", help="writes PREFIX.md and PREFIX.png")
     rep.add_argument("--title", default="sfi-vllm quality suite")
-    rep.add_argument("--command", default=None, help="the command that produced the results")
+    rep.add_argument("--command", dest="results_command", default=None,
+                     help="the command that produced the results")
     rep.add_argument("--raw", default=None, help="eval's --raw file: adds SFI-minus-policy paired differences")
     rep.set_defaults(func=_cmd_report)
 
@@ -544,9 +608,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sfi-vllm {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if args.debug or tracebacks_wanted() or not report(e, f"sfi-vllm {args.command}"):
+        if args.debug or tracebacks_wanted():
             raise
+        if report(e, f"sfi-vllm {args.command}"):
+            return 2
+        line = _user_error_line(e)
+        if line is None:
+            raise
+        print(f"sfi-vllm {args.command}: {line}", file=sys.stderr)
+        print("(traceback: --debug)", file=sys.stderr)
         return 2
+
+
+def _user_error_line(e: Exception) -> str | None:
+    """One line for an error a user's input caused and can fix without a traceback: a file that
+    cannot be read or written, or engine options vLLM refused while building its configuration
+    (a pydantic ``ValidationError`` of a vLLM config class); None for anything else."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    if type(e).__name__ == "ValidationError" and callable(getattr(e, "errors", None)):
+        title = getattr(e, "title", "")
+        try:
+            messages = [" ".join(str(item.get("msg", "")).split()) for item in e.errors()]
+        except Exception:  # noqa: BLE001 - not pydantic's
+            return None
+        return f"vLLM refused the engine's options ({title}): " + "; ".join(m for m in messages if m)
+    return None
 
 
 if __name__ == "__main__":

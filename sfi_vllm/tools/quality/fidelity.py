@@ -375,7 +375,10 @@ def rows_from_raw(raw: str, out: str, vllm_version: str | None = None) -> list[d
     recs = load_raw(raw)
     for p in recs:
         p.setdefault("vllm_version", vllm_version)
-    tokens = max(len(p["top1"]) for p in recs if p["kind"] == "forced")
+    forced = [p for p in recs if p["kind"] == "forced"]
+    if not forced:
+        raise ValueError("it holds no teacher-forced records (kind 'forced')")
+    tokens = max(len(p["top1"]) for p in forced)
     return _write_rows(recs, tokens, out)
 
 
