@@ -135,11 +135,11 @@ class ExperimentalConfig(_StrictNumbers):
     wide_dense_tiles: bool = Field(
         False,
         description=(
-            "GPU kernel path, decode steps of at most 8 rows inside a full CUDA graph: the dense rows "
-            "of at least 64K keys that write no scores (bridge steps, dense slow rows) read their keys "
-            "64 at a time instead of 32. In the kernel alone on the H200 this took 13-14% off such "
-            "rows at 128K (level with FlashAttention-3 at 1 x 128K); it has not been run end to end "
-            "(docs/settings.md)"
+            "GPU kernel path, uniform decode launches (one token per row) of at most 8 rows, CUDA-graph "
+            "padding included: the dense rows of at least 64K keys that write no scores (bridge steps, "
+            "dense slow rows) read their keys 64 at a time instead of 32. In the kernel alone on the "
+            "H200 that takes 13-14% off such rows at 128K (level with FlashAttention-3 at 1 x 128K); "
+            "its end-to-end effect is not measured (docs/settings.md)"
         ),
     )
     synthetic_acceptance: bool = Field(

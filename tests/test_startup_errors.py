@@ -202,7 +202,7 @@ def test_cli_user_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
     suite.write_text('{"task": "passkey", "context": 1024, "index": 0, "prompt": "x"}\n')
     cases = [
         (["report", missing, str(tmp_path / "rep")], f"sfi-vllm report: {missing}: No such file or directory"),
-        (["report", str(suite), str(tmp_path / "rep")], "not the rows (and --raw records) of sfi-vllm eval: "
+        (["report", str(suite), str(tmp_path / "rep")], "not the rows of sfi-vllm eval (--out): "
                                                         "a record has no 'policy' field"),
         (["rescore", str(suite), "--out", str(tmp_path / "r.jsonl")], "a record has no 'policy' field"),
         (["fidelity", "--from-raw", missing, "--out", str(tmp_path / "f.jsonl")], "No such file or directory"),
@@ -241,3 +241,35 @@ def test_fidelity_warns_when_its_tokens_are_bridge_steps_alone(monkeypatch, caps
     assert "--tokens 16: the first 16 decode steps after a prompt attend densely" in capsys.readouterr().err
     assert cli.main(["fidelity", "--tokens", "17", "--out", "f.jsonl"]) == 2
     assert "attend densely" not in capsys.readouterr().err
+
+
+def test_vllms_refusal_of_engine_options_is_one_line_naming_the_field():
+    import pydantic
+    from vllm.config import CompilationConfig
+
+    from sfi_vllm.tools.cli import _user_error_line
+
+    with pytest.raises(pydantic.ValidationError) as info:
+        CompilationConfig(bogus=1)
+    line = _user_error_line(info.value)
+    assert line.startswith("vLLM refused the engine's options (CompilationConfig): bogus: "), line
+
+    class NotVllms(pydantic.BaseModel):
+        x: int
+
+    with pytest.raises(pydantic.ValidationError) as info:
+        NotVllms(x="y")
+    assert _user_error_line(info.value) is None  # another model's error keeps its traceback
+    assert _user_error_line(FileNotFoundError(2, "No such file or directory", "/x")) == "/x: No such file or directory"
+    assert _user_error_line(KeyError("policy")) is None
+
+
+def test_report_checks_its_files_before_computing(tmp_path, capsys):
+    from sfi_vllm.tools import cli
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0}\n')
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0}\n')
+    assert cli.main(["report", str(rows), str(tmp_path / "rep"), "--raw", str(raw)]) == 2
+    assert "not the records of sfi-vllm eval --raw: a record has no 'index' field" in capsys.readouterr().err

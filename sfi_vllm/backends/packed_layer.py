@@ -241,6 +241,11 @@ class PackedSFILayer(SFILayer):
         if tables.padding is not None:
             output[tables.padding] = 0
 
+    def wide_tile(self, rows: int) -> int:
+        """The key tile of long dense rows in a uniform launch of ``rows`` rows (CUDA-graph padding
+        included; ``sfi.experimental.wide_dense_tiles``), 0: the launch takes no wide tiles."""
+        return WIDE_DENSE_TILE if self.wide_dense_from and rows <= WIDE_DENSE_MAX_ROWS else 0
+
     def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
                      output: torch.Tensor, workspace: torch.Tensor) -> None:
         """Every row one decode token (fast rows read their compact set, the others attend
@@ -252,7 +257,7 @@ class PackedSFILayer(SFILayer):
         assert buf is not None
         b = min(tables.rows, query.shape[0])
         splits = uniform_num_splits(b, self.num_kv_heads)
-        wide = WIDE_DENSE_TILE if self.wide_dense_from and b <= WIDE_DENSE_MAX_ROWS else 0
+        wide = self.wide_tile(b)
         need = b * self.num_heads * splits * (self.head_size + 1)
         if need > workspace.numel():
             raise RuntimeError(f"sfi-vllm: fast-step workspace holds {workspace.numel()} floats, "

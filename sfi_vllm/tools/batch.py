@@ -500,7 +500,8 @@ def _peek_id(text: str, lineno: int) -> str:
 
 
 def engine_env_for_this_process() -> None:
-    """Environment an in-process engine needs, set before vLLM is imported: the engine core in this
+    """Environment an in-process engine needs, set before the engine is built (vLLM reads these
+    variables when it builds one, not at import): the engine core in this
     process (so the controller's statistics can be read), and on a CPU machine the thread binding
     and KV-cache size of :func:`sfi_vllm.tools.engine_job.cpu_engine_env` unless already set."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

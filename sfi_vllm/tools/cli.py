@@ -133,15 +133,33 @@ def _engine_kwargs_arg(text: str | None) -> dict:
 @contextlib.contextmanager
 def _rows_of(path: str, what: str):
     """Reading ``path``, which should hold ``what``: a line that is not JSON, or a record without
-    a field the command reads, is a usage error naming the file, not a traceback."""
+    a field the reader needs, is a usage error naming the file, not a traceback (``--debug``
+    shows the error it came from)."""
     try:
         yield
     except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: not {what}: a line is not JSON ({e})") from None
+        raise UsageError(f"{path}: not {what}: a line is not JSON ({e})") from e
     except KeyError as e:
-        raise UsageError(f"{path}: not {what}: a record has no {e.args[0]!r} field") from None
+        raise UsageError(f"{path}: not {what}: a record has no {e.args[0]!r} field") from e
     except ValueError as e:  # what the reader found missing
-        raise UsageError(f"{path}: not {what}: {e}") from None
+        raise UsageError(f"{path}: not {what}: {e}") from e
+
+
+# the fields of eval's rows (--out) and of its per-request records (--raw) that report reads
+EVAL_ROW_FIELDS = ("policy", "retention", "context", "task", "score")
+EVAL_RAW_FIELDS = ("policy", "retention", "context", "task", "index", "score")
+
+
+def _check_eval_file(path: str, fields: tuple[str, ...], what: str) -> None:
+    """``path`` holds JSON lines with ``fields``: checked before ``report`` computes anything, so
+    that an error while it does is not taken for a wrong file."""
+    from sfi_vllm.tools.quality.report import load
+
+    with _rows_of(path, what):
+        for rec in load(path):
+            missing = [f for f in fields if not isinstance(rec, dict) or f not in rec]
+            if missing:
+                raise KeyError(missing[0])
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -397,9 +415,10 @@ def _cmd_rescore(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.report import write_report
 
-    files = args.jsonl + (f" (or {args.raw})" if args.raw else "")
-    with _rows_of(files, "the rows (and --raw records) of sfi-vllm eval"):
-        write_report(args.jsonl, args.prefix, args.title, args.results_command, raw=args.raw)
+    _check_eval_file(args.jsonl, EVAL_ROW_FIELDS, "the rows of sfi-vllm eval (--out)")
+    if args.raw:
+        _check_eval_file(args.raw, EVAL_RAW_FIELDS, "the records of sfi-vllm eval --raw")
+    write_report(args.jsonl, args.prefix, args.title, args.results_command, raw=args.raw)
     return 0
 
 
@@ -627,11 +646,21 @@ def _user_error_line(e: Exception) -> str | None:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.filename}: {e.strerror or e}"
     if type(e).__name__ == "ValidationError" and callable(getattr(e, "errors", None)):
+        import vllm.config
+
         title = getattr(e, "title", "")
+        if not hasattr(vllm.config, title):  # not one of vLLM's configuration classes
+            return None
         try:
-            messages = [" ".join(str(item.get("msg", "")).split()) for item in e.errors()]
+            items = e.errors()
         except Exception:  # noqa: BLE001 - not pydantic's
             return None
+        messages = []
+        for item in items:
+            # the field's path, without pydantic's names of union members (literal[...], is-instance[...])
+            loc = ".".join(str(x) for x in item.get("loc", ()) if isinstance(x, int) or str(x).isidentifier())
+            msg = " ".join(str(item.get("msg", "")).split())
+            messages.append(f"{loc}: {msg}" if loc else msg)
         return f"vLLM refused the engine's options ({title}): " + "; ".join(m for m in messages if m)
     return None
 

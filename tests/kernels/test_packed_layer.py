@@ -582,3 +582,23 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
 ])
 def test_drafter_first_pass_uniform(monkeypatch, device, dtype, kw):
     check_drafter_first_pass_uniform(monkeypatch, device, dtype, **kw)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_wide_dense_tiles_setting_gates_the_launch(on):
+    """``sfi.experimental.wide_dense_tiles``: off, no launch takes wide tiles; on, dense rows of at
+    least WIDE_DENSE_FROM keys take them in launches of at most WIDE_DENSE_MAX_ROWS rows (the
+    launch itself: check_packed_layer)."""
+    from sfi_vllm.backends import packed_layer as pl
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from test_sfi_layer import fake_vllm_config
+
+    over = {"boundary_token_ids": [7], "experimental": {"wide_dense_tiles": on}}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
+    packed = PackedCompactBuffer(2, 3, ctl.cfg.compact_capacity(8192), 32, torch.float32, "cpu")
+    layer = pl.PackedSFILayer(ctl, 6, 3, 32, scale=32 ** -0.5, packed=packed)
+    assert layer.wide_dense_from == (pl.WIDE_DENSE_FROM if on else 0)
+    tiles = [layer.wide_tile(rows) for rows in (1, pl.WIDE_DENSE_MAX_ROWS, pl.WIDE_DENSE_MAX_ROWS + 1, 16)]
+    assert tiles == ([pl.WIDE_DENSE_TILE, pl.WIDE_DENSE_TILE, 0, 0] if on else [0, 0, 0, 0])
