@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
     demo.add_argument("--lossless", action="store_true",
-                      help="also run the prompts in sfi.mode lossless (a second engine, about a minute more on "
+                      help="also run the prompts in sfi.mode lossless (a second engine, about 40 s more on "
                            "2 cores): "
                            "SFI drafts, dense attention verifies, and the outputs are dense's")
     demo.add_argument("--sfi-replace", action="store_true",
