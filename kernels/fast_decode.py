@@ -322,10 +322,16 @@ def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs:
     return 1 << (n.bit_length() - 1)
 
 
-def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528) -> int:
+def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528, one_wave: bool = False) -> int:
     """Splits for a CUDA-graph batch: a function of the batch shape only (contexts change from
-    step to step while the graph stays fixed); splits past a row's keys exit at once."""
-    return int(max(1, min(64, triton.cdiv(target_programs, max(1, rows * kv_heads)))))
+    step to step while the graph stays fixed); splits past a row's keys exit at once. By default
+    the smallest count whose programs (rows x KV heads x splits) reach ``target_programs``;
+    ``one_wave``: the largest count whose programs stay within it (528: 132 SMs x 4 programs), so
+    that no program waits for a second wave. Never more than the default, so a workspace sized by
+    :func:`uniform_workspace_numel` holds either."""
+    programs = max(1, rows * kv_heads)
+    n = target_programs // programs if one_wave else triton.cdiv(target_programs, programs)
+    return int(max(1, min(64, n)))
 
 
 def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_size: int) -> int:

@@ -142,6 +142,16 @@ class ExperimentalConfig(_StrictNumbers):
             "its end-to-end effect is not measured (docs/settings.md)"
         ),
     )
+    one_wave_splits: bool = Field(
+        False,
+        description=(
+            "GPU kernel path, uniform decode launches (one token per row): the fast-step kernel takes "
+            "the largest split count whose programs (rows x KV heads x splits) fit in one wave of 528 "
+            "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
+            "rows of 8 KV heads, 4 instead of 5 at 16 rows). Its effect is measured in "
+            "benchmarks/results/splits-h200.txt (docs/settings.md)"
+        ),
+    )
     synthetic_acceptance: bool = Field(
         False,
         description="sfi.mode lossless, for speed measurements only: allow vLLM's "

@@ -44,6 +44,8 @@ class PackedSFILayer(SFILayer):
         self.executor = executor_for(controller)
         # dense rows of at least this many keys take wide tiles in small uniform launches (0: never)
         self.wide_dense_from = WIDE_DENSE_FROM if controller.cfg.experimental.wide_dense_tiles else 0
+        # uniform launches: split counts within one wave of programs (sfi.experimental.one_wave_splits)
+        self.one_wave_splits = controller.cfg.experimental.one_wave_splits
 
     def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
@@ -256,7 +258,7 @@ class PackedSFILayer(SFILayer):
         buf = self.packed
         assert buf is not None
         b = min(tables.rows, query.shape[0])
-        splits = uniform_num_splits(b, self.num_kv_heads)
+        splits = uniform_num_splits(b, self.num_kv_heads, one_wave=self.one_wave_splits)
         wide = self.wide_tile(b)
         need = b * self.num_heads * splits * (self.head_size + 1)
         if need > workspace.numel():

@@ -602,3 +602,29 @@ def test_wide_dense_tiles_setting_gates_the_launch(on):
     assert layer.wide_dense_from == (pl.WIDE_DENSE_FROM if on else 0)
     tiles = [layer.wide_tile(rows) for rows in (1, pl.WIDE_DENSE_MAX_ROWS, pl.WIDE_DENSE_MAX_ROWS + 1, 16)]
     assert tiles == ([pl.WIDE_DENSE_TILE, pl.WIDE_DENSE_TILE, 0, 0] if on else [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_one_wave_splits_setting_picks_the_split_rule(on):
+    """``sfi.experimental.one_wave_splits``: off, uniform launches take the smallest split count
+    whose programs reach 528; on, the largest whose programs stay within 528 (never more than off,
+    so the shared workspace holds both)."""
+    from sfi_vllm.backends import packed_layer as pl
+    from sfi_vllm.compact import PackedCompactBuffer
+    from sfi_vllm.config import build_config
+    from sfi_vllm.controller import SFIController
+    from sfi_vllm.kernels.fast_decode import uniform_num_splits
+    from test_sfi_layer import fake_vllm_config
+
+    over = {"boundary_token_ids": [7], "experimental": {"one_wave_splits": on}}
+    ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
+    packed = PackedCompactBuffer(2, 3, ctl.cfg.compact_capacity(8192), 32, torch.float32, "cpu")
+    layer = pl.PackedSFILayer(ctl, 6, 3, 32, scale=32 ** -0.5, packed=packed)
+    assert layer.one_wave_splits is on
+    # 8 KV heads: 1, 6, 8, 16 and 100 rows
+    got = [uniform_num_splits(rows, 8, one_wave=on) for rows in (1, 6, 8, 16, 100)]
+    assert got == ([64, 11, 8, 4, 1] if on else [64, 11, 9, 5, 1])
+    for rows in range(1, 80):
+        n = uniform_num_splits(rows, 8, one_wave=True)
+        assert n <= uniform_num_splits(rows, 8)
+        assert rows * 8 * n <= 528 or n == 1
