@@ -65,6 +65,30 @@ def setup(batch: int, context: int, device="cuda", dtype=torch.bfloat16):
     return kv, key_cache, value_cache, bt, q
 
 
+def row_kinds(batch: int, context: int, q: torch.Tensor, working_set: int = 2308) -> tuple[tuple, dict]:
+    """Per-row tables of the fast-step kernel for two kinds of uniform launch: ``dense``, every row
+    attending its whole ``context`` (a bridge step's rows), and ``fast``, every row on a
+    ``working_set``-token set (compact tokens + the ``WINDOW``-token paged window; 2,308: the
+    default's 4 sinks + 2,048 selected + 256). Returns ``(compact_k, compact_v, row_min_window_start,
+    seq_lens)`` and ``{kind: (row_slot, compact_len, window_start, bytes read)}``."""
+    dev = q.device
+    n_compact = working_set - WINDOW
+    ck = torch.randn(batch, HKV, n_compact, D, device=dev, dtype=q.dtype)
+    cv = torch.randn_like(ck)
+    zeros = torch.zeros(batch, device=dev, dtype=torch.int32)
+    lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+    kinds = {
+        "dense": (torch.full((batch,), -1, device=dev, dtype=torch.int32),
+                  torch.zeros(batch, device=dev, dtype=torch.int32), zeros,
+                  batch * context * HKV * D * 4),
+        "fast": (torch.arange(batch, device=dev, dtype=torch.int32),
+                 torch.full((batch,), n_compact, device=dev, dtype=torch.int32),
+                 torch.full((batch,), context - WINDOW, device=dev, dtype=torch.int32),
+                 batch * working_set * HKV * D * 4),
+    }
+    return (ck, cv, zeros, lens), kinds
+
+
 def fa3_us(q, kc, vc, bt, lens, max_len) -> float:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 

@@ -15,10 +15,9 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent / "kernels")]
 import fast_decode as fd  # noqa: E402
-from attn_timing import D, HKV, HQ, graph_time_us, setup  # noqa: E402
+from attn_timing import D, HKV, HQ, graph_time_us, row_kinds, setup  # noqa: E402
 
 POINTS = ((16, 16384), (8, 32768), (4, 32768), (6, 131072), (1, 131072))
-WORKING_SET, WINDOW = 2308, 256
 
 
 def candidates(batch: int) -> list[int]:
@@ -30,26 +29,13 @@ def candidates(batch: int) -> list[int]:
 
 def point(batch: int, context: int) -> None:
     kv, kc, vc, bt, q = setup(batch, context)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    zeros = torch.zeros(batch, device="cuda", dtype=torch.int32)
+    (ck, cv, zeros, lens), kinds = row_kinds(batch, context, q)
     engine = fd.uniform_num_splits(batch, HKV)
     try:
         from attn_timing import fa3_us
         print(f"{batch}x{context} dense FA3: {fa3_us(q, kc, vc, bt, lens, context):.1f} us", flush=True)
     except ImportError:
         pass
-    n_compact = WORKING_SET - WINDOW
-    ck = torch.randn(batch, HKV, n_compact, D, device="cuda", dtype=q.dtype)
-    cv = torch.randn_like(ck)
-    kinds = {
-        "dense": (torch.full((batch,), -1, device="cuda", dtype=torch.int32),
-                  torch.zeros(batch, device="cuda", dtype=torch.int32), zeros,
-                  batch * context * HKV * D * 4),
-        "fast": (torch.arange(batch, device="cuda", dtype=torch.int32),
-                 torch.full((batch,), n_compact, device="cuda", dtype=torch.int32),
-                 torch.full((batch,), context - WINDOW, device="cuda", dtype=torch.int32),
-                 batch * WORKING_SET * HKV * D * 4),
-    }
     out = torch.empty_like(q)
     for kind, (slots, nc, ws, nbytes) in kinds.items():
         ref = None
