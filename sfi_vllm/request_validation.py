@@ -47,15 +47,34 @@ def _validation_error(e: SFIRequestError) -> Exception:
 
 def validate_request_params(params: Any) -> None:
     """Raise ``VLLMValidationError`` if a request's SFI settings are bad for this process's SFI
-    engine; nothing without an SFI engine or for requests without ``extra_args`` (pooling)."""
+    engine, or if it asks the lossless mode for what vLLM's speculative decoding cannot return
+    (:func:`validate_lossless_sampling`); nothing without an SFI engine, and no SFI settings to
+    check for requests without ``extra_args`` (pooling)."""
     limits = _LIMITS
+    if limits is None:
+        return
+    if limits.cfg.mode == "lossless":
+        validate_lossless_sampling(params)
     extra_args = getattr(params, "extra_args", None)
-    if limits is None or not extra_args:
+    if not extra_args:
         return
     try:
         resolve_request_config(limits, extra_args, mapping_where=mapping_name(extra_args))
     except SFIRequestError as e:
         raise _validation_error(e) from None
+
+
+def validate_lossless_sampling(params: Any) -> None:
+    """Refuse what the lossless mode's speculative decoding cannot serve and vLLM does not refuse
+    itself (it refuses ``min_p`` and ``logit_bias``): ``logprob_token_ids``. With speculative
+    decoding, vLLM 0.26 and 0.27 return fewer logprob entries than tokens for such a request, and
+    the OpenAI server fails on the missing entries with an internal error (HTTP 500, ``IndexError``
+    in its completion route)."""
+    if getattr(params, "logprob_token_ids", None):
+        raise _validation_error(SFIRequestError(
+            "logprob_token_ids is not supported in sfi.mode lossless: vLLM's speculative decoding, which "
+            "the mode runs on, does not return those logprobs; ask for logprobs (the top ones) instead, "
+            "or send the request to a lossy or dense engine", "logprob_token_ids"))
 
 
 def validate_beam_search_request(vllm_xargs: Any) -> None:

@@ -191,6 +191,29 @@ def test_the_front_end_raises_vllms_validation_error():
     request_validation.validate_request_params(SamplingParams(extra_args={"sfi": "x"}))  # no SFI engine
 
 
+def test_the_lossless_mode_refuses_logprob_token_ids():
+    """vLLM's speculative decoding returns no logprobs for ``logprob_token_ids`` (its OpenAI route then
+    fails with a 500): a lossless engine refuses them with a 400 naming the field; a lossy one, and
+    a lossless one without them, let the request through."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm import SamplingParams
+
+    from sfi_vllm import request_validation
+
+    lossless = build_config({**ENGINE, "mode": "lossless"}, use_env=False)
+    asked = SamplingParams(logprobs=1, logprob_token_ids=[5, 6])
+    try:
+        request_validation.set_engine_limits(EngineLimits.for_engine(lossless, 1024))
+        with pytest.raises(VLLMValidationError, match="not supported in sfi.mode lossless") as info:
+            request_validation.validate_request_params(asked)
+        assert info.value.parameter == "logprob_token_ids"
+        request_validation.validate_request_params(SamplingParams(logprobs=2, extra_args={"sfi_sinks": 2}))
+        request_validation.set_engine_limits(limits())
+        request_validation.validate_request_params(asked)
+    finally:
+        request_validation.set_engine_limits(None)
+
+
 @pytest.mark.parametrize("extra", [{"sfi": "dense"}, {"sfi": [1]}, {"sfi": 7}, {"sfi": None, "sfi_x": 1},
                                    {"sfi": {1: 2}}, {"sfi_sinks": object()}, {"sfi": {"selector": [1]}}])
 def test_the_worker_runs_a_bad_request_densely_and_counts_it(extra):
