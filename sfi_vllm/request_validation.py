@@ -65,11 +65,19 @@ def validate_request_params(params: Any) -> None:
 
 
 def validate_lossless_sampling(params: Any) -> None:
-    """Refuse what the lossless mode's speculative decoding cannot serve and vLLM does not refuse
-    itself (it refuses ``min_p`` and ``logit_bias``): ``logprob_token_ids``. With speculative
-    decoding, vLLM 0.26 and 0.27 return fewer logprob entries than tokens for such a request, and
-    the OpenAI server fails on the missing entries with an internal error (HTTP 500, ``IndexError``
-    in its completion route)."""
+    """Refuse what the lossless mode's speculative decoding cannot serve, naming the field and the
+    mode. ``logprob_token_ids``: vLLM does not refuse them, but with speculative decoding vLLM 0.26
+    and 0.27 return fewer logprob entries than tokens for such a request, and the OpenAI server
+    fails on the missing entries with an internal error (HTTP 500, ``IndexError`` in its completion
+    route). ``min_p`` and ``logit_bias``: ``SamplingParams.verify`` refuses them under speculative
+    decoding too, with a message that names neither the field nor the mode; over HTTP this check
+    runs first."""
+    for name, given in (("min_p", (getattr(params, "min_p", 0.0) or 0.0) > 1e-5),
+                        ("logit_bias", bool(getattr(params, "logit_bias", None)))):
+        if given:
+            raise _validation_error(SFIRequestError(
+                f"{name} is not supported in sfi.mode lossless: vLLM's speculative decoding, which the mode "
+                "runs on, does not support it; send the request to a lossy or dense engine", name))
     if getattr(params, "logprob_token_ids", None):
         raise _validation_error(SFIRequestError(
             "logprob_token_ids is not supported in sfi.mode lossless: vLLM's speculative decoding, which "

@@ -191,10 +191,11 @@ def test_the_front_end_raises_vllms_validation_error():
     request_validation.validate_request_params(SamplingParams(extra_args={"sfi": "x"}))  # no SFI engine
 
 
-def test_the_lossless_mode_refuses_logprob_token_ids():
+def test_the_lossless_mode_refuses_what_speculative_decoding_cannot_serve():
     """vLLM's speculative decoding returns no logprobs for ``logprob_token_ids`` (its OpenAI route then
-    fails with a 500): a lossless engine refuses them with a 400 naming the field; a lossy one, and
-    a lossless one without them, let the request through."""
+    fails with a 500) and refuses min_p and logit_bias without naming them: a lossless engine
+    refuses the three with a 400 naming the field; a lossy one, and a lossless one without them,
+    let the request through."""
     from vllm.exceptions import VLLMValidationError
     from vllm import SamplingParams
 
@@ -207,6 +208,10 @@ def test_the_lossless_mode_refuses_logprob_token_ids():
         with pytest.raises(VLLMValidationError, match="not supported in sfi.mode lossless") as info:
             request_validation.validate_request_params(asked)
         assert info.value.parameter == "logprob_token_ids"
+        for name, params in (("min_p", SamplingParams(min_p=0.1)), ("logit_bias", SamplingParams(logit_bias={5: 1.0}))):
+            with pytest.raises(VLLMValidationError, match=f"{name} is not supported in sfi.mode lossless") as info:
+                request_validation.validate_request_params(params)
+            assert info.value.parameter == name
         request_validation.validate_request_params(SamplingParams(logprobs=2, extra_args={"sfi_sinks": 2}))
         request_validation.set_engine_limits(limits())
         request_validation.validate_request_params(asked)
