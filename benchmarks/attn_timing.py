@@ -1,4 +1,4 @@
-"""Per-layer attention timings on the GPU, shared by kernel_bench.py and e2e_bench.py.
+"""Per-layer attention timings on the GPU, shared by kernel_bench.py, e2e_bench.py and the kernel sweeps.
 
 Qwen3-4B attention shape (32 query / 8 KV heads, head_dim 128, bf16, page 16). Decode kernels are
 timed under CUDA graphs (one launch captured, replayed many times, median per launch); the slow

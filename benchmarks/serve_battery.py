@@ -2,13 +2,15 @@
 (one server at a time), each answer compared with dense's: greedy completions with the sampling
 fields users send (logprobs, prompt_logprobs, echo, stop strings and ids, min_tokens, penalties,
 logit_bias, chat, streaming with and without usage, structured outputs (JSON schema, choice,
-regex), beam search, n 2 sampled), per-request SFI settings, malformed SFI settings (each must get
+regex), beam search, n 2 sampled, min_p, logprob_token_ids, a seeded request twice), per-request SFI
+settings, malformed SFI settings (each must get
 a 400 naming the field), prompts too long or empty, a client that leaves mid-stream, six concurrent
 requests with mixed settings, then /health and the server's SFI metrics.
 
     .venv/bin/python benchmarks/serve_battery.py --out benchmarks/results/serve-battery-cpu.jsonl
 
-Prints one line per request and server, and the comparison table (markdown) at the end.
+Prints one line per request and server, and the comparison table (markdown) at the end; a cell
+also gives the completion tokens counted in ``usage`` where they differ from dense's.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def cases(model: str, long: str) -> dict[str, tuple[str, dict]]:
         "min_tokens": comp("Hi", 24, min_tokens=20),
         "penalties": comp(long, 48, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2),
         "logit_bias": comp(short, 8, logit_bias={"12": 100}),
+        "min_p 0.1, sampled": comp(short, 8, temperature=0.8, min_p=0.1),
+        "logprob_token_ids": comp(short, 8, logprobs=1, logprob_token_ids=[260, 30]),
+        "seed 1234, sampled": comp(long, 24, temperature=1.0, seed=1234),
+        "seed 1234, sampled, again": comp(long, 24, temperature=1.0, seed=1234),
         "chat": chat("Write three sentences about the sea.", max_tokens=64),
         "chat, streamed": chat("Count to ten.", stream=True),
         "streamed, usage included": comp(long, 24, stream=True, stream_options={"include_usage": True}),
@@ -155,6 +161,7 @@ def battery(base: str, engine: str, model: str, long: str) -> list[dict]:
         row = {"engine": engine, "case": name, "status": status, "seconds": round(time.perf_counter() - t0, 2)}
         if status == 200:
             row["texts"] = texts(j)
+            row["completion_tokens"] = (j.get("usage") or {}).get("completion_tokens")
             if body.get("stream_options", {}).get("include_usage"):
                 row["usage"] = j.get("usage")  # the stream's last chunk
         else:
@@ -216,7 +223,10 @@ def table(rows: list[dict], engines_run: list[str]) -> str:
             elif e == "dense" or r["status"] != 200 or d["status"] != 200 or "texts" not in r:
                 cells.append(str(r["status"]))
             else:
-                cells.append(f"200, {'as dense' if r.get('texts') == d.get('texts') else 'differs'}")
+                cell = f"200, {'as dense' if r.get('texts') == d.get('texts') else 'differs'}"
+                if r.get("completion_tokens") != d.get("completion_tokens"):
+                    cell += f" ({r.get('completion_tokens')} tokens counted against {d.get('completion_tokens')})"
+                cells.append(cell)
         out.append(f"| {case} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -327,8 +327,9 @@ def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528, one
     step to step while the graph stays fixed); splits past a row's keys exit at once. By default
     the smallest count whose programs (rows x KV heads x splits) reach ``target_programs``;
     ``one_wave``: the largest count whose programs stay within it (528: 132 SMs x 4 programs), so
-    that no program waits for a second wave. Never more than the default, so a workspace sized by
-    :func:`uniform_workspace_numel` holds either."""
+    that on a 132-SM GPU no program waits for a second wave. At the same ``target_programs`` never
+    more than the default, so a workspace sized by :func:`uniform_workspace_numel` (the default
+    target) holds either."""
     programs = max(1, rows * kv_heads)
     n = target_programs // programs if one_wave else triton.cdiv(target_programs, programs)
     return int(max(1, min(64, n)))

@@ -148,8 +148,8 @@ class ExperimentalConfig(_StrictNumbers):
             "GPU kernel path, uniform decode launches (one token per row): the fast-step kernel takes "
             "the largest split count whose programs (rows x KV heads x splits) fit in one wave of 528 "
             "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
-            "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that no program waits for a second "
-            "wave; benchmarks/splits_bench.py times both rules (docs/settings.md)"
+            "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
+            "second wave; benchmarks/splits_bench.py times both rules (docs/settings.md)"
         ),
     )
     synthetic_acceptance: bool = Field(
