@@ -221,6 +221,33 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     return overrides, names
 
 
+# the fields that size a request's compact set, each with those that revert with it (the budget's
+# two forms replace each other), in the order a refusal names them when no one of them alone is at fault
+_BUDGET_FIELDS = {
+    "selected_tokens": ("selected_tokens", "selected_fraction"),
+    "selected_fraction": ("selected_tokens", "selected_fraction"),
+    "selected_cap": ("selected_cap",),
+    "selected_floor": ("selected_floor",),
+    "sinks": ("sinks",),
+    "policy": ("policy",),  # streaming selects nothing: a request leaving it selects K tokens
+}
+
+
+def _budget_field_at_fault(cfg: SFIConfig, engine: SFIConfig, names: Mapping[tuple, str], max_model_len: int,
+                           have: int) -> str:
+    """The request's field (as the request wrote it) that makes its compact set larger than the
+    engine's buffers: the first of the budget's fields it set whose engine value alone would make
+    the set fit, else the first of them it set, else the preset it named, else the whole ``sfi``."""
+    given = [(names[(f,)], f) for f in _BUDGET_FIELDS if (f,) in names]
+    for name, field in given:
+        reverted = cfg.model_copy(update={f: getattr(engine, f) for f in _BUDGET_FIELDS[field]})
+        if reverted.compact_capacity(max_model_len) <= have:
+            return name
+    if given:
+        return given[0][0]
+    return names.get(("preset",), REQUEST_KEY)
+
+
 def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tuple, str]) -> None:
     """What a request's merged config ``cfg`` may not ask of the engine: a compact set larger than
     the engine's buffers hold, a boundary trigger the engine has no enders for. (Its
@@ -230,9 +257,7 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
         need = cfg.compact_capacity(limits.max_model_len)
         have = engine.compact_capacity(limits.max_model_len)
         if cfg.policy != "dense" and need > have:
-            budget = [n for p, n in names.items() if p[0] in ("selected_tokens", "selected_fraction",
-                                                               "selected_cap", "sinks", "policy", "preset")]
-            name = budget[0] if budget else REQUEST_KEY
+            name = _budget_field_at_fault(cfg, engine, names, limits.max_model_len, have)
             fix = ("Ask for fewer, or raise the engine's sfi.selected_tokens (or selected_cap)"
                    if engine.policy != "streaming" else
                    "The engine runs policy streaming, which selects nothing, so its buffers hold its sinks "

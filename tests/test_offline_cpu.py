@@ -29,14 +29,15 @@ def test_parse_native_and_openai_batch_lines():
             "body": {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 5,
                      "temperature": 0, "vllm_xargs": {"sfi": {"selected_tokens": 32}}}}
     rid, req = parse_line(json.dumps(line), 2)
-    assert rid == "c1" and req.sampling == {"max_tokens": 5, "temperature": 0} and req.sfi == {"selected_tokens": 32}
+    assert rid == "c1" and req.sfi is None
+    assert req.sampling == {"max_tokens": 5, "temperature": 0, "extra_args": {"sfi": {"selected_tokens": 32}}}
     # the forms the OpenAI API carries: flat sfi_* keys and one JSON string; other xargs pass through
     for xargs in ({"sfi_selected_tokens": 32, "sfi_selector_alpha": 1.0, "other": "v"},
                   {"sfi": '{"selected_tokens": 32, "selector": {"alpha": 1.0}}', "other": "v"}):
         body = {"messages": [{"role": "user", "content": "q"}], "vllm_xargs": xargs}
         _, req = parse_line(json.dumps({"custom_id": "c2", "body": body}), 3)
-        assert req.sfi == {"selected_tokens": 32, "selector": {"alpha": 1.0}}
-        assert req.sampling == {"extra_args": {"other": "v"}}
+        # kept as written, so that a refusal names them as the server would
+        assert req.sfi is None and req.sampling == {"extra_args": xargs}
     with pytest.raises(LineError) as e:
         parse_line(json.dumps({"custom_id": "c3", "body": {"prompt": "a", "vllm_xargs": {"sfi_polcy": 1}}}), 4)
     assert e.value.args[0] == "c3" and "sfi_polcy" in e.value.args[1]
@@ -240,6 +241,54 @@ def test_batch_sampling_takes_logit_bias_keys_as_token_ids():
     assert token_id_keys({"12": 5.0, 7: -1}, "sampling.logit_bias") == {12: 5.0, 7: -1}
     with pytest.raises(ValueError, match=r"sampling.logit_bias: keys are token ids \(integers\); got 'yes'"):
         token_id_keys({"yes": 1}, "sampling.logit_bias")
+
+
+def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, monkeypatch):
+    """The same file through ``--attention-backend dense`` is the dense reference: lines that give
+    SFI settings run without them (a dense ``vllm serve`` ignores them too) and are counted for the
+    command's closing line; on an SFI engine a run-batch line's flat keys are checked as written."""
+    from types import SimpleNamespace
+
+    import sfi_vllm.tools.batch as batch
+
+    lines = [{"id": "plain", "prompt": "a"},
+             {"id": "native", "prompt": "b", "sfi": {"recent_window": 0}},
+             {"custom_id": "openai", "body": {"prompt": "c", "vllm_xargs": {"sfi_selected_tokens": 10 ** 6}}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    seen = {}
+
+    def fake_run_requests(llm, requests, on_done, total, max_open, progress):
+        for r in requests:
+            if isinstance(r, dict):
+                on_done(r)
+            else:
+                seen[r.id] = r.params
+        return {"requests": len(lines), "errors": 0}
+
+    def fake_llm(backend):
+        return SimpleNamespace(model_config=SimpleNamespace(get_diff_sampling_param=lambda: {}),
+                               llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
+                                   attention_config=SimpleNamespace(backend=SimpleNamespace(name=backend)))))
+
+    monkeypatch.setattr(batch, "run_requests", fake_run_requests)
+    t = batch.run_batch(src, tmp_path / "dense.jsonl", fake_llm("FLASH_ATTN"), progress=False)
+    assert sorted(seen) == ["native", "openai", "plain"] and t["sfi_settings_unused"] == 2
+    assert not (tmp_path / "dense.jsonl").read_text()  # no line was refused
+
+    class Refusing:
+        def request_config(self, extra_args):
+            from sfi_vllm.config import build_config
+            from sfi_vllm.request_config import EngineLimits, mapping_name, resolve_request_config
+            limits = EngineLimits(cfg=build_config({}, use_env=False), max_model_len=4096, has_boundary=True)
+            return resolve_request_config(limits, extra_args, mapping_where=mapping_name(extra_args))
+    seen.clear()
+    monkeypatch.setattr("sfi_vllm.controller.current_controller", lambda: Refusing())
+    t = batch.run_batch(src, tmp_path / "sfi.jsonl", fake_llm("CUSTOM"), progress=False)
+    errors = {r["id"]: r["error"] for r in map(json.loads, (tmp_path / "sfi.jsonl").read_text().splitlines())}
+    assert sorted(seen) == ["plain"] and t["sfi_settings_unused"] == 0
+    assert "extra_args.sfi.recent_window" in errors["native"], errors
+    assert errors["openai"].startswith("vllm_xargs.sfi_selected_tokens:"), errors
 
 
 # --------------------------------------------------------------------------- engines

@@ -124,6 +124,15 @@ def test_request_cannot_change_engine_wide_settings_or_outgrow_the_buffers():
     # the same value as the engine's, a smaller K, or a fraction that stays inside: accepted
     for ok in ({"side_stream": True}, {"selected_tokens": 512}, {"selected_fraction": 0.1, "selected_cap": 1024}):
         assert ctl.request_config({"sfi": ok}).policy == "sfi"
+    # the refusal names the setting that outgrows the buffers, as the request wrote it
+    from sfi_vllm.request_config import SFIRequestError
+    for args, param in (({"sfi": {"policy": "snapkv", "selected_tokens": 1025}}, "extra_args.sfi.selected_tokens"),
+                        ({"sfi_policy": "snapkv", "sfi_sinks": 10}, "vllm_xargs.sfi_sinks"),
+                        ({"sfi_selected_fraction": 0.5, "sfi_selected_cap": 4096}, "vllm_xargs.sfi_selected_fraction"),
+                        ({"sfi_sinks": 3, "sfi_selected_tokens": 1100}, "vllm_xargs.sfi_selected_tokens")):
+        with pytest.raises(SFIRequestError, match="compact buffers hold") as e:
+            ctl.request_config(args)
+        assert e.value.param == param, (args, e.value.param)
     # a boundary trigger the engine has no enders for
     ctl = ctl_with_len({"boundary_trigger": False, "boundary_token_ids": None})
     with pytest.raises(Exception, match="needs sentence-ender token ids"):

@@ -12,6 +12,9 @@ Every input line is one request, in either form:
   sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs``: ``sfi`` or flat ``sfi_*``
   keys, not both places) as the SFI settings. ``n`` above 1 is refused (one completion per line).
 
+An engine with dense attention runs every line without its SFI settings (as a dense server ignores
+them), so the same file gives the dense reference.
+
 Each finished request is appended to the output as one JSON line as soon as it finishes:
 ``{"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "sfi_stats"}``. A line that
 cannot run (bad JSON, bad sampling or SFI settings, a prompt longer than the engine allows) is
@@ -107,19 +110,18 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     # "sfi" (sfi_vllm.request_config); the other vllm_xargs entries go to SamplingParams.extra_args
     from sfi_vllm.request_config import request_overrides, sfi_entries
 
+    # they stay in extra_args as written, so a refusal names them as the server would
+    # (vllm_xargs.sfi_selected_tokens); a misspelt or malformed key is an error of the line here
     ours = sfi_entries(xargs)
     if ours:
         if sfi is not None:
             raise ValueError("the SFI settings are given twice (body.sfi and body.vllm_xargs): give them once")
-        parsed = request_overrides(ours, where="body.vllm_xargs")
-        if parsed is not None:
-            sfi = parsed[0]
-    rest = {k: v for k, v in xargs.items() if k not in ours}
-    if rest:
+        request_overrides(ours, where="body.vllm_xargs")
+    if xargs:
         extra = body.get("extra_args") or {}
         if not isinstance(extra, dict):
             raise ValueError("extra_args must be a JSON object")
-        body["extra_args"] = {**extra, **rest}
+        body["extra_args"] = {**extra, **xargs}
     line = {k: body.pop(k) for k in list(body) if k in _OPENAI_BODY_INPUTS}
     for k in _OPENAI_BODY_IGNORED:
         body.pop(k, None)
@@ -377,7 +379,7 @@ def _record(our_id: str, o: Any) -> dict[str, Any]:
 
 
 def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callable[[BatchLine], Any],
-              check_sfi: Callable[[dict[str, Any]], None]) -> Iterator[Request | dict[str, Any]]:
+              check_sfi: Callable[[str, dict[str, Any]], None]) -> Iterator[Request | dict[str, Any]]:
     """The input lines as :class:`Request` objects, or error records for lines that cannot run."""
     from sfi_vllm.config import SFIConfigError
     from sfi_vllm.request_config import sfi_entries
@@ -396,7 +398,7 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
         try:
             extra = req.sampling.get("extra_args")
             if req.sfi or sfi_entries(extra):
-                check_sfi({**(extra if isinstance(extra, dict) else {}), **({"sfi": req.sfi} if req.sfi else {})})
+                check_sfi(rid, {**(extra if isinstance(extra, dict) else {}), **({"sfi": req.sfi} if req.sfi else {})})
             params = make_params(req)
         except SFIConfigError as e:
             yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
@@ -431,7 +433,6 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     """Run every request of ``in_path`` not yet in ``out_path`` through ``llm`` (module doc)."""
     from vllm import SamplingParams
 
-    from sfi_vllm.config import SFIConfigError
     from sfi_vllm.controller import current_controller
 
     in_path, out_path = Path(in_path), Path(out_path)
@@ -451,15 +452,17 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
         return SamplingParams(**kw, extra_args=extra or None)
 
     sfi_engine = _runs_sfi(llm)
+    unused = []  # ids of the lines whose SFI settings a dense engine does not use
 
-    def check_sfi(extra_args: dict[str, Any]) -> None:
+    def check_sfi(rid: str, extra_args: dict[str, Any]) -> None:
         # Where the controller is in this process, a bad request setting is this line's error. With
         # the controller in other processes (several workers), vLLM's front end checks the request
         # when it is submitted (sfi_vllm.patches.request_check) and the line records that error.
+        # A dense engine runs the line without them, as a dense `vllm serve` does (said on stderr):
+        # the same file then gives the dense reference.
         if not sfi_engine:
-            raise SFIConfigError("sfi: this engine runs dense attention; SFI settings need "
-                                 "--attention-backend sfi")
-        if ctl is not None:
+            unused.append(rid)
+        elif ctl is not None:
             ctl.request_config(extra_args)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -477,6 +480,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
                               max_open=max_open, progress=progress)
     totals["skipped"] = len(lines) - todo
     totals["earlier_errors"] = earlier
+    totals["sfi_settings_unused"] = len(unused)
     return totals
 
 
