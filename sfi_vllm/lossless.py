@@ -55,6 +55,28 @@ def plan_draft(controller: SFIController, cam: Any, draft_index: int) -> StepPla
     return plan
 
 
+def record_verify_without_drafter(controller: SFIController, req_ids: list[str], sampled: list[list[int]]) -> None:
+    """The model's step verified drafts and vLLM then ran no drafter pass (a row's context plus the
+    drafts would pass ``max_model_len``: vLLM drafts nothing for the whole batch that step). The
+    first pass records the tokens each row kept; here they come from the step's sampled tokens
+    (``sampled[j]``: what row ``req_ids[j]`` kept, vLLM's bookkeeping), and the rows' count of
+    tokens verified since their selection advances as the first pass would advance it."""
+    base = controller.current_plan
+    if base is None or not base.verify or base.drafted is None or base.sampled is None:
+        return
+    index = {r: j for j, r in enumerate(req_ids)}
+    for i, rid in enumerate(base.req_ids):
+        j = index.get(rid)
+        if j is None or j >= len(sampled) or not base.sampled[i] or not sampled[j]:
+            continue
+        kept = len(sampled[j])  # the accepted drafts and the model's own token
+        if base.drafted[i] > 0:
+            controller.stats.record_accepted(rid, kept - 1)
+        since = controller.verified_since_selection[base.slots[i]]
+        if since >= 0:
+            controller.verified_since_selection[base.slots[i]] = since + kept
+
+
 def _keeps_selection(cfg: Any, since: int, verified: int, drafted: int) -> bool:
     """Whether a row's first drafter pass keeps the compact sets of its last selection (a fast
     step) instead of re-selecting: never at a first selection (``since`` -1) or once

