@@ -1,9 +1,12 @@
 """Per-request SFI statistics: how many steps were dense, slow and fast, why each slow step fired,
 and how many tokens the fast steps attended to compared with the context.
 
-Collected in the worker process. Finished requests are kept (the newest ``KEEP_FINISHED``) for
-in-process readers (`sfi-vllm demo`, tests), logged, and optionally appended as JSON lines to
-``SFIConfig.stats_file`` so that a server's statistics survive its worker processes.
+Collected in the worker process. Finished requests are kept for in-process readers (`sfi-vllm
+demo`, the batch and benchmark tools, tests): the newest ``KEEP_FINISHED``, fewer where their
+slow-step events would pass ``KEEP_FINISHED_EVENTS`` (a request may record up to ``MAX_EVENTS``,
+and in a server nothing reads them: it holds a few tens of MB of them at most). They are logged,
+and optionally appended as JSON lines to ``SFIConfig.stats_file`` so that a server's statistics
+survive its worker processes.
 
 A worker learns that a request has finished from the next step's scheduler output, so the last
 requests before the engine goes idle or stops are not retired yet. When the worker process exits,
@@ -26,6 +29,7 @@ from sfi_vllm.trigger import SlowReason, StepMode
 logger = logging.getLogger("sfi_vllm")
 KEEP_FINISHED = 10_000
 MAX_EVENTS = 4096  # slow-step events kept per request
+KEEP_FINISHED_EVENTS = 1 << 18  # slow-step events over the kept finished requests (about 35 MB)
 
 
 @dataclass
@@ -126,6 +130,7 @@ class StatsRegistry:
         self._graph_totals: dict[str, dict[str, int]] = {}  # note_graph_runs' last totals
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
+        self._finished_events = 0  # slow-step events over self.finished
         self.stats_file = stats_file
         self._write_failed = False
         if stats_file:
@@ -244,8 +249,11 @@ class StatsRegistry:
                 self.metrics.attended_fraction.observe(st.attended_fraction)
         with self._lock:
             self.finished[req_id] = st
-            while len(self.finished) > KEEP_FINISHED:
-                self.finished.popitem(last=False)
+            self._finished_events += len(st.slow_events)
+            while len(self.finished) > KEEP_FINISHED or (
+                    self._finished_events > KEEP_FINISHED_EVENTS and len(self.finished) > 1):
+                _, old = self.finished.popitem(last=False)
+                self._finished_events -= len(old.slow_events)
         logger.debug("sfi request %s: %s", req_id, st.to_dict())
         if self.stats_file:
             self._append([{**st.to_dict(), "retired": True}])

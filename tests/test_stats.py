@@ -139,3 +139,26 @@ def test_docs_name_every_field_of_a_stats_line():
     fields = [*RequestStats("r").to_dict(), "retired"]
     missing = [f for f in fields if f"`{f}`" not in docs]
     assert not missing, f"docs/serving.md does not describe the stats file's {missing}"
+
+
+def test_finished_requests_kept_are_bounded_by_their_slow_step_events(monkeypatch):
+    """A server reads no finished statistics, and one request may record MAX_EVENTS slow-step
+    events: the kept ones are bounded by their events too, newest kept, the counts exact."""
+    import sfi_vllm.stats as stats
+
+    monkeypatch.setattr(stats, "KEEP_FINISHED_EVENTS", 25)
+    reg = StatsRegistry(None)
+    for i in range(6):
+        rid = f"r{i}"
+        reg.record_step(rid, int(StepMode.PREFILL), 0, 100)
+        for j in range(10):  # 10 slow steps each
+            reg.record_step(rid, int(StepMode.SLOW), int(SlowReason.REUSE_BUDGET), 101 + j)
+        reg.finish(rid)
+    kept = reg.snapshot()
+    assert sorted(kept) == ["r4", "r5"]  # 20 events; a third request would make 30
+    assert reg._finished_events == 20 and all(len(st.slow_events) == 10 for st in kept.values())
+    big = "big"  # a request over the bound on its own is still kept, alone
+    for j in range(40):
+        reg.record_step(big, int(StepMode.SLOW), int(SlowReason.REUSE_BUDGET), 200 + j)
+    reg.finish(big)
+    assert list(reg.snapshot()) == ["big"] and reg.lookup("big").slow_steps == 40
