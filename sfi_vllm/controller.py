@@ -493,6 +493,7 @@ class SFIController:
         if self.drafter_graph_wrapper is not None:
             self.stats.note_graph_runs("drafter", self.drafter_graph_wrapper.counters())
         self.current_plan = None
+        self.stats.note_pool(self.compact_slots - len(self.free_compact), self.compact_slots)
         self.stats.flush_metrics()
 
 

@@ -36,7 +36,7 @@ class SFIMetrics:
     """The metric objects (one set per process: prometheus_client refuses a name twice)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.requests = Counter("sfi_requests", "Requests the SFI worker served to the end (finished "
                                 "or aborted), by the policy they ran", ["policy"])
@@ -84,6 +84,15 @@ class SFIMetrics:
                                   "captured, which synchronises the device; eager: without one, for "
                                   "a shape not yet used often enough or a pass the graph cannot serve)",
                                   ["what", "how"])
+        # livemax: the planning worker's value while it lives (no other process writes them)
+        self.compact_sets = Gauge("sfi_compact_sets", "Compact sets the pool holds: requests that can "
+                                  "run an SFI policy at once (sfi.compact_memory_gib)",
+                                  multiprocess_mode="livemax")
+        self.compact_sets_in_use = Gauge("sfi_compact_sets_in_use", "Compact sets held by requests the "
+                                         "worker has not retired (it retires a request at the step after "
+                                         "the request ends, so an idle server can show the last ones); a "
+                                         "request that runs densely takes one only where no other slot is "
+                                         "free", multiprocess_mode="livemax")
         if not os.environ.get(MULTIPROC_ENV):
             logger.info("sfi-vllm: %s is not set, so SFI's metrics stay in this process: a server's "
                         "/metrics shows them only when the server starts with it set to an empty "

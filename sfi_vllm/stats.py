@@ -131,6 +131,7 @@ class StatsRegistry:
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self._finished_events = 0  # slow-step events over self.finished
+        self._pool: tuple[int, int] | None = None  # the last values note_pool wrote
         self.stats_file = stats_file
         self._write_failed = False
         if stats_file:
@@ -218,6 +219,14 @@ class StatsRegistry:
         self.metrics.write(self._steps, self._fast_sums)
         self._steps = Counter()
         self._fast_sums = [0, 0, 0]
+
+    def note_pool(self, in_use: int, total: int) -> None:
+        """The compact sets held by requests in flight, and the pool's; written when they change."""
+        if self.metrics is None or self._pool == (in_use, total):
+            return
+        self._pool = (in_use, total)
+        self.metrics.compact_sets_in_use.set(in_use)
+        self.metrics.compact_sets.set(total)
 
     def note_graph_runs(self, what: str, totals: dict[str, int]) -> None:
         """``totals``: the running counts of one user of CUDA graphs (``what``: "selection",

@@ -85,6 +85,13 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     assert ctl.slot_of["d"] >= 2 and {ctl.slot_of["a"], ctl.slot_of["b"]} == {0, 1}
     assert ctl.stats.get("c").fallback == "compact_pool_full" and ctl.stats.get("c").policy == "dense"
     assert metric._value.get() == before + 1
+    metrics = ctl.stats.metrics
+
+    def pool_gauges():
+        ctl.end_step()  # written as the step ends
+        return metrics.compact_sets_in_use._value.get(), metrics.compact_sets._value.get()
+
+    assert pool_gauges() == (2, 2)
 
     class Out:
         finished_req_ids, preempted_req_ids = {"a"}, ()
@@ -102,6 +109,7 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     p = step(["c"])
     assert p.modes == [StepMode.DENSE] and ctl.slot_of["c"] >= 2 and ctl.free_compact
     assert ctl.stats.get("c").fallback == "compact_pool_full" and metric._value.get() == before + 1
+    assert pool_gauges() == (1, 2)  # e's; c runs densely in a slot without a set
 
     class PreemptedAgain:
         finished_req_ids, preempted_req_ids = set(), {"c"}

@@ -270,8 +270,9 @@ def test_metrics_are_on_the_servers_metrics_endpoint(server):
     for name in ("sfi_requests_total", "sfi_fast_steps_total", "sfi_slow_steps_total", "sfi_dense_steps_total",
                  "sfi_prefill_steps_total", "sfi_fast_attended_tokens_total", "sfi_fast_context_tokens_total",
                  "sfi_fast_layer_evaluations_total", "sfi_request_attended_fraction_count",
-                 "sfi_selection_seconds_count"):
+                 "sfi_selection_seconds_count", "sfi_compact_sets", "sfi_compact_sets_in_use"):
         assert name in names, name
+    assert 0 <= total(m, "sfi_compact_sets_in_use") <= total(m, "sfi_compact_sets") > 0
     assert total(m, "sfi_slow_steps_total", reason="first_decode") > 0
     assert total(m, "sfi_slow_steps_total", reason="reuse_budget") > 0
     assert 0 < total(m, "sfi_fast_attended_tokens_total") < total(m, "sfi_fast_context_tokens_total")
@@ -355,6 +356,8 @@ def test_concurrent_streams_with_cancellations(server):
     vllm_ok = total(after, "vllm:request_success_total") - total(before, "vllm:request_success_total")
     assert vllm_ok == len(finished) + 2
     assert total(after, "sfi_request_fallbacks_total") == total(before, "sfi_request_fallbacks_total")
+    # every compact set is free again but the last request's, which the worker has not retired
+    assert total(after, "sfi_compact_sets_in_use") <= 1, total(after, "sfi_compact_sets_in_use")
     assert server.proc.poll() is None
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
     new_log = server.log()[log_before:]
