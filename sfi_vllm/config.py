@@ -138,8 +138,9 @@ class ExperimentalConfig(_StrictNumbers):
             "GPU kernel path, uniform decode launches (one token per row) of at most 8 rows, CUDA-graph "
             "padding included: the dense rows of at least 64K keys that write no scores (bridge steps, "
             "dense slow rows) read their keys 64 at a time instead of 32. In the kernel alone on the "
-            "H200 that takes 13-14% off such rows at 128K (level with FlashAttention-3 at 1 x 128K); "
-            "its end-to-end effect is not measured (docs/settings.md)"
+            "H200 that takes 13-14% off such rows at 128K (level with FlashAttention-3 at 1 x 128K); end "
+            "to end on an H100 at 1 x 128K it took 0.1 ms off the ITL p99 and 4-8% off the throughput "
+            "(docs/settings.md)"
         ),
     )
     one_wave_splits: bool = Field(
@@ -149,7 +150,8 @@ class ExperimentalConfig(_StrictNumbers):
             "the largest split count whose programs (rows x KV heads x splits) fit in one wave of 528 "
             "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
             "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
-            "second wave; benchmarks/splits_bench.py times both rules (docs/settings.md)"
+            "second wave. In the kernel alone on an H100 it was at most 2% faster than the default, and "
+            "slower at 16 x 16K (benchmarks/splits_bench.py; docs/settings.md)"
         ),
     )
     synthetic_acceptance: bool = Field(
