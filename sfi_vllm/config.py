@@ -150,8 +150,8 @@ class ExperimentalConfig(_StrictNumbers):
             "the largest split count whose programs (rows x KV heads x splits) fit in one wave of 528 "
             "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
             "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
-            "second wave. In the kernel alone on an H100 it was at most 2% faster than the default, and "
-            "slower at 16 x 16K (benchmarks/splits_bench.py; docs/settings.md)"
+            "second wave. In the kernel alone on an H100 it was slower than the default at 16 x 16K and 8 x "
+            "32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md)"
         ),
     )
     synthetic_acceptance: bool = Field(

@@ -84,15 +84,16 @@ class SFIMetrics:
                                   "captured, which synchronises the device; eager: without one, for "
                                   "a shape not yet used often enough or a pass the graph cannot serve)",
                                   ["what", "how"])
-        # livemax: the planning worker's value while it lives (no other process writes them)
+        # mostrecent, as vLLM's own gauges: only the planning worker writes them (vLLM marks no
+        # engine process dead, so a "live" mode would not drop a stale file either)
         self.compact_sets = Gauge("sfi_compact_sets", "Compact sets the pool holds: requests that can "
                                   "run an SFI policy at once (sfi.compact_memory_gib)",
-                                  multiprocess_mode="livemax")
+                                  multiprocess_mode="mostrecent")
         self.compact_sets_in_use = Gauge("sfi_compact_sets_in_use", "Compact sets held by requests the "
                                          "worker has not retired (it retires a request at the step after "
                                          "the request ends, so an idle server can show the last ones); a "
                                          "request that runs densely takes one only where no other slot is "
-                                         "free", multiprocess_mode="livemax")
+                                         "free", multiprocess_mode="mostrecent")
         if not os.environ.get(MULTIPROC_ENV):
             logger.info("sfi-vllm: %s is not set, so SFI's metrics stay in this process: a server's "
                         "/metrics shows them only when the server starts with it set to an empty "

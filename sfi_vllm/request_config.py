@@ -234,30 +234,45 @@ _BUDGET_FIELDS = {
 
 
 def _budget_field_at_fault(cfg: SFIConfig, engine: SFIConfig, names: Mapping[tuple, str], max_model_len: int,
-                           have: int) -> str:
+                           have: int, preset: str | None = None) -> str:
     """The request's field (as the request wrote it) that makes its compact set larger than the
     engine's buffers: the first of the budget's fields it set whose engine value alone would make
-    the set fit, else the first of them it set, else the preset it named, else the whole ``sfi``."""
-    given = [(names[(f,)], f) for f in _BUDGET_FIELDS if (f,) in names]
+    the set fit, else the preset it named if the engine's values of the budget fields the preset
+    set would, else the first budget field it set, else the preset, else the whole ``sfi``."""
+    # of the budget's two forms given together, the one in force (the other is null)
+    given = [(names[(f,)], f) for f in _BUDGET_FIELDS if (f,) in names
+             and not (f in ("selected_tokens", "selected_fraction") and getattr(cfg, f) is None)]
+
+    def fits(fields) -> bool:
+        reverted = cfg.model_copy(update={f: getattr(engine, f) for f in fields})
+        return reverted.compact_capacity(max_model_len) <= have
+
     for name, field in given:
-        reverted = cfg.model_copy(update={f: getattr(engine, f) for f in _BUDGET_FIELDS[field]})
-        if reverted.compact_capacity(max_model_len) <= have:
+        if fits(_BUDGET_FIELDS[field]):
             return name
+    preset_name = names.get(("preset",))
+    if preset_name is not None and preset in PRESETS:
+        from_preset = {g for f in preset_values(preset) if f in _BUDGET_FIELDS and (f,) not in names
+                       for g in _BUDGET_FIELDS[f]}
+        if from_preset and fits(from_preset):
+            return preset_name
     if given:
         return given[0][0]
-    return names.get(("preset",), REQUEST_KEY)
+    return preset_name or REQUEST_KEY
 
 
-def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tuple, str]) -> None:
+def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tuple, str],
+                         preset: str | None = None) -> None:
     """What a request's merged config ``cfg`` may not ask of the engine: a compact set larger than
     the engine's buffers hold, a boundary trigger the engine has no enders for. (Its
-    EngineSettings are the engine's: :func:`~sfi_vllm.config.merge_policy` refuses a change.)"""
+    EngineSettings are the engine's: :func:`~sfi_vllm.config.merge_policy` refuses a change.)
+    ``preset``: the preset the request named, if any."""
     engine = limits.cfg
     if limits.max_model_len:
         need = cfg.compact_capacity(limits.max_model_len)
         have = engine.compact_capacity(limits.max_model_len)
         if cfg.policy != "dense" and need > have:
-            name = _budget_field_at_fault(cfg, engine, names, limits.max_model_len, have)
+            name = _budget_field_at_fault(cfg, engine, names, limits.max_model_len, have, preset)
             fix = ("Ask for fewer, or raise the engine's sfi.selected_tokens (or selected_cap)"
                    if engine.policy != "streaming" else
                    "The engine runs policy streaming, which selects nothing, so its buffers hold its sinks "
@@ -315,5 +330,6 @@ def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "
     except SFIConfigError as e:
         raise SFIRequestError(str(e) + _engine_values_hint(e, names, limits.cfg, overrides),
                               _param_at_fault(e, names, where)) from None
-    check_request_config(limits, cfg, names)
+    preset = overrides.get("preset")
+    check_request_config(limits, cfg, names, preset if isinstance(preset, str) else None)
     return cfg

@@ -257,6 +257,9 @@ class StatsRegistry:
             if st.fast_context_tokens:
                 self.metrics.attended_fraction.observe(st.attended_fraction)
         with self._lock:
+            earlier = self.finished.pop(req_id, None)  # an id used again: the newer record replaces it
+            if earlier is not None:
+                self._finished_events -= len(earlier.slow_events)
             self.finished[req_id] = st
             self._finished_events += len(st.slow_events)
             while len(self.finished) > KEEP_FINISHED or (

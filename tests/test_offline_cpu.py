@@ -253,7 +253,9 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
 
     lines = [{"id": "plain", "prompt": "a"},
              {"id": "native", "prompt": "b", "sfi": {"recent_window": 0}},
-             {"custom_id": "openai", "body": {"prompt": "c", "vllm_xargs": {"sfi_selected_tokens": 10 ** 6}}}]
+             {"custom_id": "openai", "body": {"prompt": "c", "vllm_xargs": {"sfi_selected_tokens": 10 ** 6}}},
+             # refused by SamplingParams: not submitted, so not counted
+             {"id": "bad-sampling", "prompt": "d", "sfi": {"sinks": 2}, "sampling": {"temperature": -1}}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     seen = {}
@@ -274,7 +276,8 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
     monkeypatch.setattr(batch, "run_requests", fake_run_requests)
     t = batch.run_batch(src, tmp_path / "dense.jsonl", fake_llm("FLASH_ATTN"), progress=False)
     assert sorted(seen) == ["native", "openai", "plain"] and t["sfi_settings_unused"] == 2
-    assert not (tmp_path / "dense.jsonl").read_text()  # no line was refused
+    (refused,) = map(json.loads, (tmp_path / "dense.jsonl").read_text().splitlines())
+    assert refused["id"] == "bad-sampling" and "temperature" in refused["error"]
 
     class Refusing:
         def request_config(self, extra_args):
@@ -287,7 +290,7 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
     t = batch.run_batch(src, tmp_path / "sfi.jsonl", fake_llm("CUSTOM"), progress=False)
     errors = {r["id"]: r["error"] for r in map(json.loads, (tmp_path / "sfi.jsonl").read_text().splitlines())}
     assert sorted(seen) == ["plain"] and t["sfi_settings_unused"] == 0
-    assert "extra_args.sfi.recent_window" in errors["native"], errors
+    assert "extra_args.sfi.recent_window" in errors["native"] and "temperature" in errors["bad-sampling"], errors
     assert errors["openai"].startswith("vllm_xargs.sfi_selected_tokens:"), errors
 
 

@@ -129,7 +129,12 @@ def test_request_cannot_change_engine_wide_settings_or_outgrow_the_buffers():
     for args, param in (({"sfi": {"policy": "snapkv", "selected_tokens": 1025}}, "extra_args.sfi.selected_tokens"),
                         ({"sfi_policy": "snapkv", "sfi_sinks": 10}, "vllm_xargs.sfi_sinks"),
                         ({"sfi_selected_fraction": 0.5, "sfi_selected_cap": 4096}, "vllm_xargs.sfi_selected_fraction"),
-                        ({"sfi_sinks": 3, "sfi_selected_tokens": 1100}, "vllm_xargs.sfi_selected_tokens")):
+                        ({"sfi_sinks": 3, "sfi_selected_tokens": 1100}, "vllm_xargs.sfi_selected_tokens"),
+                        # the preset's K (2048) is at fault, not the sinks the request also gave
+                        ({"sfi": {"preset": "balanced", "sinks": 4}}, "extra_args.sfi.preset"),
+                        # of the budget's two forms, the one in force
+                        ({"sfi": {"selected_fraction": 0.5, "selected_tokens": None}},
+                         "extra_args.sfi.selected_fraction")):
         with pytest.raises(SFIRequestError, match="compact buffers hold") as e:
             ctl.request_config(args)
         assert e.value.param == param, (args, e.value.param)

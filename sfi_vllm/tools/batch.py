@@ -116,7 +116,7 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     if ours:
         if sfi is not None:
             raise ValueError("the SFI settings are given twice (body.sfi and body.vllm_xargs): give them once")
-        request_overrides(ours, where="body.vllm_xargs")
+        request_overrides(ours, where="vllm_xargs")
     if xargs:
         extra = body.get("extra_args") or {}
         if not isinstance(extra, dict):
@@ -434,6 +434,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     from vllm import SamplingParams
 
     from sfi_vllm.controller import current_controller
+    from sfi_vllm.request_config import sfi_entries
 
     in_path, out_path = Path(in_path), Path(out_path)
     lines = read_input_lines(in_path, out_path)
@@ -452,18 +453,22 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
         return SamplingParams(**kw, extra_args=extra or None)
 
     sfi_engine = _runs_sfi(llm)
-    unused = []  # ids of the lines whose SFI settings a dense engine does not use
+    unused = []  # ids of the submitted requests whose SFI settings an engine without SFI does not use
 
     def check_sfi(rid: str, extra_args: dict[str, Any]) -> None:
         # Where the controller is in this process, a bad request setting is this line's error. With
         # the controller in other processes (several workers), vLLM's front end checks the request
         # when it is submitted (sfi_vllm.patches.request_check) and the line records that error.
-        # A dense engine runs the line without them, as a dense `vllm serve` does (said on stderr):
-        # the same file then gives the dense reference.
-        if not sfi_engine:
-            unused.append(rid)
-        elif ctl is not None:
+        # An engine without SFI runs the line without them, as such a `vllm serve` does (said on
+        # stderr): the same file then gives the dense reference.
+        if sfi_engine and ctl is not None:
             ctl.request_config(extra_args)
+
+    def submitted(requests: Iterator[Request | dict[str, Any]]) -> Iterator[Request | dict[str, Any]]:
+        for r in requests:
+            if not sfi_engine and isinstance(r, Request) and sfi_entries(r.params.extra_args):
+                unused.append(r.id)
+            yield r
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ids = [_peek_id(t, i) for i, t in lines]
@@ -476,7 +481,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
             f.write(json.dumps(rec) + "\n")
             f.flush()
 
-        totals = run_requests(llm, _requests(lines, skip, make_params, check_sfi), write, total=todo,
+        totals = run_requests(llm, submitted(_requests(lines, skip, make_params, check_sfi)), write, total=todo,
                               max_open=max_open, progress=progress)
     totals["skipped"] = len(lines) - todo
     totals["earlier_errors"] = earlier

@@ -296,8 +296,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                   max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
                   progress=not args.no_progress)
     if t["sfi_settings_unused"]:
-        print(f"sfi-vllm batch: {t['sfi_settings_unused']} requests give SFI settings; this engine runs dense "
-              "attention (--attention-backend dense), so they ran without them", file=sys.stderr)
+        print(f"sfi-vllm batch: {t['sfi_settings_unused']} requests give SFI settings; this engine does not run "
+              "SFI attention, so they ran without them", file=sys.stderr)
     earlier = (f"; {t['earlier_errors']} of them errors of an earlier run (--retry-errors runs them again)"
                if t["earlier_errors"] else "")
     print(f"sfi-vllm batch: {t['requests']} requests written to {args.output} ({t['errors']} failed, "
