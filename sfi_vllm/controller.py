@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,7 @@ from sfi_vllm.compact import CompactBuffer, RowGeometry
 from sfi_vllm.config import SFIConfig, SFIConfigError, config_from_vllm
 from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, mapping_name, resolve_request_config, sfi_entries  # noqa: F401
 from sfi_vllm.metrics import worker_metrics
-from sfi_vllm.stats import StatsRegistry
+from sfi_vllm.stats import StatsRegistry, external_request_id  # noqa: F401 (re-exported)
 from sfi_vllm.trigger import (
     BoundaryTokens,
     SlowReason,
@@ -36,13 +35,7 @@ from sfi_vllm.trigger import (
 )
 
 logger = logging.getLogger("sfi_vllm")
-_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 MAX_CACHED_REQUEST_CONFIGS = 1024  # distinct per-request settings kept resolved
-
-
-def external_request_id(req_id: str) -> str:
-    """vLLM appends ``-<8 hex>`` to the caller's request id; strip it."""
-    return _INTERNAL_SUFFIX.sub("", req_id)
 
 
 @dataclass

@@ -11,8 +11,9 @@ Two forms, which may be combined (a field given twice is an error):
   {"selected_tokens": 512, "selector": {"alpha": 1.0}}})``), or the same object as a JSON string.
   The JSON string is what the OpenAI API can carry (``vllm_xargs`` holds only strings, numbers and
   lists, so a nested object gets a 400 from vLLM itself).
-* flat keys, one per field: ``sfi_<field>`` for every top-level field of SFIConfig and
-  ``sfi_selector_<field>`` for every field of its ``selector``
+* flat keys, one per field: ``sfi_<field>`` for every top-level field of SFIConfig,
+  ``sfi_selector_<field>`` for every field of its ``selector`` and ``sfi_experimental_<field>``
+  for every field of its ``experimental`` (engine-wide)
   (``extra_body={"vllm_xargs": {"sfi_policy": "dense"}}``). The names are derived from the
   models' fields (:func:`flat_keys`), so a new field is a new key. Any other key that starts with
   ``sfi_`` is an error.

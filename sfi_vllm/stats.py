@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import re
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,13 @@ from dataclasses import asdict, dataclass, field
 from sfi_vllm.trigger import SlowReason, StepMode
 
 logger = logging.getLogger("sfi_vllm")
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(req_id: str) -> str:
+    """The caller's request id (an HTTP response's ``id``) of vLLM's internal one: vLLM appends
+    ``-<8 hex>`` to the caller's id; strip it."""
+    return _INTERNAL_SUFFIX.sub("", req_id)
 KEEP_FINISHED = 10_000
 MAX_EVENTS = 4096  # slow-step events kept per request
 KEEP_FINISHED_EVENTS = 1 << 18  # slow-step events over the kept finished requests (about 35 MB)
@@ -99,6 +107,7 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["request_id"] = external_request_id(self.req_id)
         d["acceptance_length"] = round(self.acceptance_length, 3)
         d["slow_reasons"] = dict(self.slow_reasons)
         d["decode_steps"] = self.decode_steps

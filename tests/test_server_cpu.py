@@ -61,11 +61,12 @@ def test_chat_completion_over_http(model_dir, tmp_path):
         question = ("Here is a short story. " + "The old lighthouse keeper climbed the stairs every "
                     "evening. He lit the lamp and watched the ships pass. " * 8 +
                     "What did the keeper do every evening?")
-        replies = []
+        replies, ids = [], []
         for _ in range(2):  # the second request also lets the worker retire the first one
             r = client.chat.completions.create(model=model_dir, temperature=0, max_tokens=24,
                                                messages=[{"role": "user", "content": question}])
             replies.append(r.choices[0].message.content)
+            ids.append(r.id)
             assert r.usage.completion_tokens > 1
         assert all(replies) and replies[0] == replies[1]
         assert stats_file.exists(), "the SFI worker recorded no finished request"
@@ -83,6 +84,8 @@ def test_chat_completion_over_http(model_dir, tmp_path):
     records = [json.loads(x) for x in stats_file.read_text().splitlines()]
     assert len(records) == 2 and len({r["req_id"] for r in records}) == 2, records
     assert records[1]["fast_steps"] == first["fast_steps"]
+    # each line names its request by the id the server answered with
+    assert [r["request_id"] for r in records] == ids
 
 
 def test_bad_sfi_config_fails_at_startup_with_a_clear_error(model_dir, tmp_path):

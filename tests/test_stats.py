@@ -162,3 +162,12 @@ def test_finished_requests_kept_are_bounded_by_their_slow_step_events(monkeypatc
         reg.record_step(big, int(StepMode.SLOW), int(SlowReason.REUSE_BUDGET), 200 + j)
     reg.finish(big)
     assert list(reg.snapshot()) == ["big"] and reg.lookup("big").slow_steps == 40
+
+
+def test_a_record_names_the_callers_request_id(tmp_path):
+    f = tmp_path / "stats.jsonl"
+    reg = StatsRegistry(str(f))
+    _run(reg, "chatcmpl-7f3a-0a1b2c3d", 2)  # vLLM's internal id: the caller's and -<8 hex>
+    reg.finish("chatcmpl-7f3a-0a1b2c3d")
+    rec = json.loads(f.read_text())
+    assert (rec["req_id"], rec["request_id"]) == ("chatcmpl-7f3a-0a1b2c3d", "chatcmpl-7f3a")
