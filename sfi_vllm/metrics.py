@@ -90,8 +90,8 @@ class SFIMetrics:
                                   "run an SFI policy at once (sfi.compact_memory_gib)",
                                   multiprocess_mode="mostrecent")
         self.compact_sets_in_use = Gauge("sfi_compact_sets_in_use", "Compact sets held by requests the "
-                                         "worker has not retired (it retires a request at the step after "
-                                         "the request ends, so an idle server can show the last ones); a "
+                                         "worker has not retired (it retires a request at the first step "
+                                         "the engine runs after the request ends); a "
                                          "request that runs densely takes one only where no other slot is "
                                          "free", multiprocess_mode="mostrecent")
         if not os.environ.get(MULTIPROC_ENV):

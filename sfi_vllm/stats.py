@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import multiprocessing.util
 import re
 import threading
 from collections import Counter, OrderedDict
@@ -152,7 +153,12 @@ class StatsRegistry:
 
                 raise SFIConfigError(f"sfi.stats_file: cannot append to {stats_file!r} ({e.strerror or e}); "
                                      "give a writable file in an existing directory") from None
+            # a worker process started by multiprocessing (vLLM's workers and engine core) leaves
+            # through os._exit where it was forked, which runs multiprocessing's finalizers but not
+            # atexit's; a plain interpreter runs atexit's. write_open_requests forgets what it wrote,
+            # so running from both writes each request once
             atexit.register(self._write_open_at_exit)
+            multiprocessing.util.Finalize(self, StatsRegistry._write_open_at_exit, args=(self,), exitpriority=10)
 
     def get(self, req_id: str) -> RequestStats:
         st = self.active.get(req_id)

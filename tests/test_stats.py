@@ -171,3 +171,22 @@ def test_a_record_names_the_callers_request_id(tmp_path):
     reg.finish("chatcmpl-7f3a-0a1b2c3d")
     rec = json.loads(f.read_text())
     assert (rec["req_id"], rec["request_id"]) == ("chatcmpl-7f3a-0a1b2c3d", "chatcmpl-7f3a")
+
+
+def _open_request_in_child(path):
+    reg = StatsRegistry(path)
+    _run(reg, "open", 2)  # never retired: the process ends while it runs
+
+
+def test_a_forked_worker_writes_its_open_requests_when_it_exits(tmp_path):
+    # vLLM forks its workers by default; a forked process leaves through os._exit, which skips
+    # atexit handlers but runs multiprocessing's finalizers
+    import multiprocessing
+
+    f = tmp_path / "stats.jsonl"
+    child = multiprocessing.get_context("fork").Process(target=_open_request_in_child, args=(str(f),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    recs = [json.loads(x) for x in f.read_text().splitlines()]
+    assert [(r["req_id"], r["retired"], r["fast_steps"]) for r in recs] == [("open", False, 2)]
