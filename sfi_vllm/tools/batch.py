@@ -326,7 +326,8 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
                     (rid,) = llm.enqueue([item.prompt], [item.params], use_tqdm=False)
             except Exception as e:  # the engine refused it: record and go on
                 rec = dict(id=item.id, line=item.line) if item.line is not None else dict(id=item.id)
-                finish(dict(rec, error=" ".join(f"{type(e).__name__}: {e}".split())))
+                message = _prompt_too_long(llm, item, e) or f"{type(e).__name__}: {e}"
+                finish(dict(rec, error=" ".join(message.split())))
                 continue
             open_reqs[external_request_id(rid)] = item.id
             internal[external_request_id(rid)] = rid
@@ -366,6 +367,34 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
         bar.set_postfix_str(f"{totals['generated_tokens'] / max(totals['seconds'], 1e-9):.1f} tok/s")
     bar.close()
     return totals
+
+
+def _prompt_too_long(llm: Any, item: Request, error: Exception) -> str | None:
+    """The message for a prompt that does not fit ``max_model_len`` (None for other errors).
+    vLLM's offline check stops tokenizing one token past the limit and quotes 0 output tokens, so
+    its message gives neither the prompt's length nor the request's ``max_tokens``; this counts
+    the prompt's tokens as the engine renders it."""
+    if getattr(error, "parameter", None) != "input_tokens":
+        return None
+    try:
+        limit = int(llm.llm_engine.model_config.max_model_len)
+        if item.prompt_token_ids is not None:
+            n = len(item.prompt_token_ids)
+        else:
+            tokenizer = llm.get_tokenizer()
+            if item.messages is not None:
+                text = tokenizer.apply_chat_template(item.messages, tokenize=False, add_generation_prompt=True)
+                n = len(tokenizer.encode(text, add_special_tokens=False))
+            else:
+                n = len(tokenizer.encode(item.prompt))
+    except Exception:  # noqa: BLE001 (the count is a courtesy: vLLM's own message stands without it)
+        return None
+    if n > limit:
+        return (f"the prompt has {n} tokens, more than max_model_len ({limit}): shorten it, or run with a "
+                "larger --max-model-len")
+    return (f"the prompt has {n} tokens; with max_tokens {getattr(item.params, 'max_tokens', None)} it needs "
+            f"more than max_model_len ({limit}): shorten it, lower max_tokens, or run with a larger "
+            "--max-model-len")
 
 
 def _record(our_id: str, o: Any) -> dict[str, Any]:
