@@ -104,11 +104,23 @@ def _looks_sfi(key: Any) -> bool:
     letter case and separator (``sfi_policy``, ``SFI.selected_tokens``, ``sfi-policy``). Only
     ``sfi`` and the exact ``sfi_*`` names are settings; :func:`request_overrides` refuses the
     others, with the name meant where it can tell, rather than let a misspelt setting be ignored.
-    A key that merely begins with the letters (``sfinder_mode``) is another extension's."""
+    A key that merely begins with the letters (``sfinder_mode``) is another extension's, unless it
+    is a setting's name written without its separators (``sfiPolicy``, ``sfiselectedtokens``)."""
     if not isinstance(key, str):
         return False
     k = key.strip().lower()
-    return k == REQUEST_KEY or (k.startswith(REQUEST_KEY) and not k[len(REQUEST_KEY)].isalnum())
+    return (k == REQUEST_KEY or (k.startswith(REQUEST_KEY) and not k[len(REQUEST_KEY)].isalnum())
+            or _squashed(k) in _squashed_keys())
+
+
+def _squashed(key: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "", key.strip().lower())
+
+
+@lru_cache(maxsize=1)
+def _squashed_keys() -> dict[str, str]:
+    """Each flat key without its separators (``sfiselectedtokens``), to the key."""
+    return {_squashed(k): k for k in flat_keys()}
 
 
 def _meant_key(key: str) -> str | None:
@@ -117,7 +129,7 @@ def _meant_key(key: str) -> str | None:
     flat = re.sub(r"[^a-z0-9]+", "_", key.strip().lower()).strip("_")
     if flat == REQUEST_KEY:
         return REQUEST_KEY
-    return flat if flat in flat_keys() else None
+    return flat if flat in flat_keys() else _squashed_keys().get(_squashed(key))
 
 
 def mapping_name(extra_args: Any) -> str:

@@ -120,6 +120,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
     ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
     ({"sfi_": "dense"}, "vllm_xargs.sfi_", "did you mean 'sfi'"),
+    # a setting's name without its separators
+    ({"sfiPolicy": "dense"}, "vllm_xargs.sfiPolicy", "did you mean 'sfi_policy'"),
+    ({"sfiselectedtokens": 512}, "vllm_xargs.sfiselectedtokens", "did you mean 'sfi_selected_tokens'"),
     # a value the request's preset set: the error names the preset, the field the client sent
     ({"sfi_preset": "speed"}, "vllm_xargs.sfi_preset", "sinks + K <= 68"),
     # Quest takes K in whole pages: a page larger than K would select nothing at every context
