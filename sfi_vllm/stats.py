@@ -8,8 +8,9 @@ and in a server nothing reads them: it holds a few tens of MB of them at most). 
 and optionally appended as JSON lines to ``SFIConfig.stats_file`` so that a server's statistics
 survive its worker processes.
 
-A worker learns that a request has finished from the next step's scheduler output, so the last
-requests before the engine goes idle or stops are not retired yet. When the worker process exits,
+A worker learns that a request has finished from the next step's scheduler output (vLLM runs
+that step while it has finished requests to report), so the last requests before the engine
+stops may not be retired yet. When the worker process exits,
 those still open are appended too, with ``"retired": false`` (their figures cover every step the
 worker ran for them; the request may have finished, been aborted, or still been running). Records
 written as requests retire carry ``"retired": true``.
@@ -21,6 +22,7 @@ import atexit
 import json
 import logging
 import multiprocessing.util
+import os
 import re
 import threading
 from collections import Counter, OrderedDict
@@ -29,16 +31,19 @@ from dataclasses import asdict, dataclass, field
 from sfi_vllm.trigger import SlowReason, StepMode
 
 logger = logging.getLogger("sfi_vllm")
+KEEP_FINISHED = 10_000
+MAX_EVENTS = 4096  # slow-step events kept per request
+KEEP_FINISHED_EVENTS = 1 << 18  # slow-step events over the kept finished requests (about 35 MB)
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
 def external_request_id(req_id: str) -> str:
     """The caller's request id (an HTTP response's ``id``) of vLLM's internal one: vLLM appends
-    ``-<8 hex>`` to the caller's id; strip it."""
+    ``-<8 hex>`` to the caller's id, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set; strip
+    it. A sequence of a request with ``n`` > 1 keeps vLLM's ``<index>_`` before the id."""
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0").strip() not in ("", "0"):
+        return req_id
     return _INTERNAL_SUFFIX.sub("", req_id)
-KEEP_FINISHED = 10_000
-MAX_EVENTS = 4096  # slow-step events kept per request
-KEEP_FINISHED_EVENTS = 1 << 18  # slow-step events over the kept finished requests (about 35 MB)
 
 
 @dataclass
@@ -153,12 +158,14 @@ class StatsRegistry:
 
                 raise SFIConfigError(f"sfi.stats_file: cannot append to {stats_file!r} ({e.strerror or e}); "
                                      "give a writable file in an existing directory") from None
-            # a worker process started by multiprocessing (vLLM's workers and engine core) leaves
-            # through os._exit where it was forked, which runs multiprocessing's finalizers but not
-            # atexit's; a plain interpreter runs atexit's. write_open_requests forgets what it wrote,
-            # so running from both writes each request once
+            # a process that multiprocessing forked (vLLM's workers and engine core unless it
+            # spawns them) leaves through os._exit, which runs multiprocessing's exit finalizers but
+            # not atexit's; a plain interpreter runs atexit's. write_open_requests forgets what it
+            # wrote, so running from both writes each request once; a process forked from this one
+            # (the pid differs) writes nothing of this one's
+            self._pid = os.getpid()
             atexit.register(self._write_open_at_exit)
-            multiprocessing.util.Finalize(self, StatsRegistry._write_open_at_exit, args=(self,), exitpriority=10)
+            multiprocessing.util.Finalize(None, self._write_open_at_exit, exitpriority=10)
 
     def get(self, req_id: str) -> RequestStats:
         st = self.active.get(req_id)
@@ -310,7 +317,8 @@ class StatsRegistry:
         return len(pending)
 
     def _write_open_at_exit(self) -> None:
-        self.write_open_requests()
+        if os.getpid() == self._pid:
+            self.write_open_requests()
 
     def lookup(self, req_id: str) -> RequestStats | None:
         """One request's statistics, running or finished (None: not seen, or no longer kept)."""

@@ -325,6 +325,7 @@ def test_batch_command(model_dir, tmp_path):
         {"id": "bad-sfi", "prompt": "x", "sfi": {"recent_window": 0}},
         {"id": "bad-sampling", "prompt": "x", "sampling": {"temperature": -1}},
         {"id": "too-long", "prompt": "word " * 1500, "sampling": greedy},
+        {"id": "too-long-chat", "messages": [{"role": "user", "content": "word " * 1500}], "sampling": greedy},
         {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "smollm2", "messages": [{"role": "user", "content": "Name a colour."}],
                   "max_tokens": 6, "temperature": 0}},
@@ -343,7 +344,7 @@ def test_batch_command(model_dir, tmp_path):
     assert proc.returncode == 1, proc.stderr[-4000:]  # some lines failed
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(recs) == sorted(["prompt", "chat-dense", "line-3", "bad-sfi", "bad-sampling", "too-long",
-                                   "openai", "done-before", "bias"]), recs
+                                   "too-long-chat", "openai", "done-before", "bias"]), recs
     assert recs["done-before"] == {"id": "done-before", "text": "from an earlier run"}
     assert recs["bias"].get("error") is None and recs["bias"]["text"] == " yes" * 6, recs["bias"]
     for rid in ("prompt", "chat-dense", "openai"):
@@ -357,7 +358,9 @@ def test_batch_command(model_dir, tmp_path):
     n_long = len(AutoTokenizer.from_pretrained(model_dir).encode("word " * 1500))
     assert recs["too-long"]["error"].startswith(f"the prompt has {n_long} tokens, more than max_model_len (1024):")
     assert recs["too-long"]["line"] == 6  # refused by the engine at submission, named by its line too
-    assert re.search(r"tok/s", proc.stderr) and "8 requests written" in proc.stderr, proc.stderr[-2000:]
+    chat_long = re.match(r"the prompt has (\d+) tokens, more than max_model_len \(1024\):", recs["too-long-chat"]["error"])
+    assert chat_long and int(chat_long.group(1)) > 1500, recs["too-long-chat"]
+    assert re.search(r"tok/s", proc.stderr) and "9 requests written" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.engine

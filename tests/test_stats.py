@@ -190,3 +190,11 @@ def test_a_forked_worker_writes_its_open_requests_when_it_exits(tmp_path):
     assert child.exitcode == 0
     recs = [json.loads(x) for x in f.read_text().splitlines()]
     assert [(r["req_id"], r["retired"], r["fast_steps"]) for r in recs] == [("open", False, 2)]
+
+
+def test_the_callers_id_is_kept_whole_where_vllm_adds_no_suffix(monkeypatch):
+    from sfi_vllm.stats import external_request_id
+
+    assert external_request_id("batch-7-0a1b2c3d") == "batch-7"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")  # vLLM then uses the caller's id as is
+    assert external_request_id("batch-7-0a1b2c3d") == "batch-7-0a1b2c3d"

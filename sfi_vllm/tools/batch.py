@@ -370,10 +370,11 @@ def run_requests(llm: Any, requests: Iterator[Request | dict[str, Any]], on_done
 
 
 def _prompt_too_long(llm: Any, item: Request, error: Exception) -> str | None:
-    """The message for a prompt that does not fit ``max_model_len`` (None for other errors).
-    vLLM's offline check stops tokenizing one token past the limit and quotes 0 output tokens, so
-    its message gives neither the prompt's length nor the request's ``max_tokens``; this counts
-    the prompt's tokens as the engine renders it."""
+    """The message for a prompt longer than ``max_model_len`` (None for other errors, and where
+    the count here does not confirm it). vLLM's offline check stops tokenizing one token past the
+    limit and quotes 0 output tokens, so its message gives neither the prompt's length nor the
+    request's ``max_tokens``; this counts the prompt's tokens (chat: Hugging Face's rendering of
+    the template)."""
     if getattr(error, "parameter", None) != "input_tokens":
         return None
     try:
@@ -389,12 +390,10 @@ def _prompt_too_long(llm: Any, item: Request, error: Exception) -> str | None:
                 n = len(tokenizer.encode(item.prompt))
     except Exception:  # noqa: BLE001 (the count is a courtesy: vLLM's own message stands without it)
         return None
-    if n > limit:
-        return (f"the prompt has {n} tokens, more than max_model_len ({limit}): shorten it, or run with a "
-                "larger --max-model-len")
-    return (f"the prompt has {n} tokens; with max_tokens {getattr(item.params, 'max_tokens', None)} it needs "
-            f"more than max_model_len ({limit}): shorten it, lower max_tokens, or run with a larger "
-            "--max-model-len")
+    if n <= limit:  # counted otherwise than vLLM renders it (a chat template's content format): its message stands
+        return None
+    return (f"the prompt has {n} tokens, more than max_model_len ({limit}): shorten it, or run with a "
+            "larger --max-model-len")
 
 
 def _record(our_id: str, o: Any) -> dict[str, Any]:
