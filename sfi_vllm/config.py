@@ -285,6 +285,14 @@ class Policy(_SettingsModel):
         "answer, and a set chosen from the first decode query misses what the answer reads; 0: select "
         "at the first decode step (the paper's). Policy sfi only: snapkv selects at the first decode step",
     )
+    bridge_attention: Literal["dense", "selected"] = Field(
+        "dense",
+        description="what the bridge's steps attend to. dense: the whole context, each a dense decode step; "
+        "selected: a provisional set chosen at the first decode step (a slow step that attends densely), "
+        "as fast steps do, and the bridge ends with a slow step that attends densely and makes the first "
+        "selection as the dense bridge's end does (statistics: slow reason bridge_end). It replaces all but "
+        "two of the bridge's dense steps with fast ones (docs/selection.md)",
+    )
     reuse_stagger: bool = Field(
         True,
         description=(

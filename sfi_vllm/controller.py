@@ -26,6 +26,7 @@ from sfi_vllm.request_config import REQUEST_FIXED_KEYS, EngineLimits, mapping_na
 from sfi_vllm.metrics import worker_metrics
 from sfi_vllm.stats import StatsRegistry, external_request_id  # noqa: F401 (re-exported)
 from sfi_vllm.trigger import (
+    FIRST_SELECTION,
     BoundaryTokens,
     SlowReason,
     SlowStepTrigger,
@@ -401,19 +402,19 @@ class SFIController:
             )
             for i, m, r in zip(decode_rows, mode.tolist(), reason.tolist()):
                 modes[i], reasons[i] = m, r
-                if r == SlowReason.FIRST_DECODE:  # the stagger's offset for the interval it starts
+                if r in FIRST_SELECTION:  # the stagger's offset for the interval it starts
                     self.stats.get(req_ids[i]).reuse_offset = int(self.trigger.offset[slots[i]])
         refresh_all = [False] * n
         slow_counts = [0] * n
         for i in range(n):
             if modes[i] == StepMode.SLOW:
-                refresh_all[i] = reasons[i] == SlowReason.FIRST_DECODE
+                refresh_all[i] = reasons[i] in FIRST_SELECTION
                 slow_counts[i] = self.slow_count[slots[i]]
                 self.slow_count[slots[i]] += 1
             self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i], prompt_lens[i])
         slow = [i for i in range(n) if modes[i] == StepMode.SLOW]
         # a slow row that already has a compact set may attend through it (slow_attention keys)
-        keys_only = [modes[i] == StepMode.SLOW and reasons[i] != SlowReason.FIRST_DECODE
+        keys_only = [modes[i] == StepMode.SLOW and reasons[i] not in FIRST_SELECTION
                      and self.slot_cfg[slots[i]].slow_attention == "keys" for i in range(n)]
         plan = StepPlan(
             num_reqs=n,

@@ -129,6 +129,7 @@ REASON_NAMES = {
     SlowReason.REUSE_BUDGET: "reuse_budget",
     SlowReason.BOUNDARY: "boundary",
     SlowReason.VERIFY: "verify",
+    SlowReason.BRIDGE_END: "bridge_end",
 }
 
 

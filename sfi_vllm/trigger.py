@@ -2,9 +2,13 @@
 
 A decode step of a sequence is
 * ``DENSE`` while its context is shorter than ``dense_below_context``, and for the first
-  ``bridge_steps`` decode steps after a prefill (``sfi`` policy only): no SFI at all;
+  ``bridge_steps`` decode steps after a prefill (``sfi`` policy only, ``bridge_attention`` dense):
+  no SFI at all;
 * ``SLOW`` when any trigger fires:
-  - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range),
+  - ``FIRST_DECODE``: the first step after a prefill (or after leaving the dense range); with
+    ``bridge_attention`` selected it chooses a provisional set for the bridge's steps,
+  - ``BRIDGE_END``: ``bridge_attention`` selected, the first step past the bridge: the first
+    selection proper (it attends densely, as a ``FIRST_DECODE`` step does),
   - ``REUSE_BUDGET``: ``reuse_budget`` fast steps have run since the last slow step (with
     ``reuse_stagger``, the first interval after a request's first selection is shorter by an offset
     derived from its context length and its prompt's tokens, :func:`reuse_offset`, so that requests
@@ -51,6 +55,12 @@ class SlowReason(IntEnum):
     REUSE_BUDGET = 2
     BOUNDARY = 3
     VERIFY = 4  # sfi.mode lossless: a drafter's first pass after the model verified its drafts
+    BRIDGE_END = 5  # bridge_attention selected: the first selection proper, at the bridge's end
+
+
+# slow steps that make a request's first selection (proper): they attend densely and refresh
+# every layer, and the reuse stagger's offset is drawn at them
+FIRST_SELECTION = (SlowReason.FIRST_DECODE, SlowReason.BRIDGE_END)
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,9 @@ class SlowStepTrigger:
         self.dense_below = np.zeros(num_slots, dtype=np.int64)
         self.never_slow = np.zeros(num_slots, dtype=bool)
         self.bridge = np.zeros(num_slots, dtype=np.int32)
+        self.bridge_selected = np.zeros(num_slots, dtype=bool)  # bridge_attention selected
+        # bridge_attention selected: the row's bridge has not yet ended with its BRIDGE_END step
+        self.bridge_open = np.zeros(num_slots, dtype=bool)
         self.stagger = np.zeros(num_slots, dtype=bool)
         # reuse-budget offset of the current interval (reuse_stagger: set at a first selection),
         # and each slot's request's phase key (prompt_phase)
@@ -196,12 +209,17 @@ class SlowStepTrigger:
         self.dense_below[slot] = (1 << 62) if cfg.policy == "dense" else cfg.dense_below_context
         self.never_slow[slot] = cfg.policy == "quest"
         self.bridge[slot] = cfg.bridge_steps if refresh else 0
+        self.bridge_selected[slot] = cfg.bridge_attention == "selected"
         self.stagger[slot] = cfg.reuse_stagger and refresh
         self.phase[slot] = phase
 
     def _bridge_until(self, slots: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
         """The context length at which each row's bridge ends (set at its first decode step)."""
         return np.where(self.fresh[slots], context_lens + self.bridge[slots], self.bridge_until[slots])
+
+    def _dense(self, slots: np.ndarray, context_lens: np.ndarray, until: np.ndarray) -> np.ndarray:
+        """Rows that attend densely: below ``dense_below_context``, or inside a dense bridge."""
+        return (context_lens < self.dense_below[slots]) | ((context_lens < until) & ~self.bridge_selected[slots])
 
     def _tokens(self, tokens: Any) -> np.ndarray:
         return np.clip(_host(tokens, np.int64), 0, self.vocab_size - 1)
@@ -215,6 +233,7 @@ class SlowStepTrigger:
         self.initialized[slots] = False
         self.fresh[slots] = True
         self.bridge_until[slots] = 0
+        self.bridge_open[slots] = False
 
     def needs_token(self, slots: Any, context_lens: Any) -> np.ndarray:
         """Rows whose decision this step depends on their input token: the boundary trigger is on
@@ -223,7 +242,7 @@ class SlowStepTrigger:
         slots = _host(slots, np.int64)
         context_lens = _host(context_lens, np.int64)
         fast_since = self.fast_since_slow[slots]
-        dense = (context_lens < self.dense_below[slots]) | (context_lens < self._bridge_until(slots, context_lens))
+        dense = self._dense(slots, context_lens, self._bridge_until(slots, context_lens))
         return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
                 & (fast_since >= self.min_gap[slots])
                 & (fast_since.astype(np.int64) + self.offset[slots] < self.reuse_budget[slots]))
@@ -265,27 +284,34 @@ class SlowStepTrigger:
             new_pending = np.where(known, new_pending, pending)
         boundary = boundary & self.boundary_on[slots]
 
+        fresh = self.fresh[slots]
         until = self._bridge_until(slots, context_lens)
         self.bridge_until[slots] = until
         self.fresh[slots] = False
-        dense = (context_lens < self.dense_below[slots]) | (context_lens < until)
+        dense = self._dense(slots, context_lens, until)
+        # a selected bridge opens at a fresh row's first step and ends at the first step past it
+        bridge_open = np.where(fresh, self.bridge_selected[slots] & (context_lens < until), self.bridge_open[slots])
+        bridge_end = bridge_open & ~fresh & (context_lens >= until) & ~dense & ~self.never_slow[slots]
+        self.bridge_open[slots] = bridge_open & ~bridge_end
         first = ~self.initialized[slots]
         budget = self.reuse_budget[slots]
         reuse = fast_since + self.offset[slots] >= budget
         bound = boundary & (fast_since >= self.min_gap[slots])
-        slow = ~dense & (first | reuse | bound) & ~self.never_slow[slots]
+        slow = ~dense & (first | reuse | bound | bridge_end) & ~self.never_slow[slots]
 
         reason = np.full(len(slots), int(SlowReason.NONE), dtype=np.int8)
         reason[slow & bound] = int(SlowReason.BOUNDARY)
         reason[slow & reuse] = int(SlowReason.REUSE_BUDGET)
+        reason[slow & bridge_end] = int(SlowReason.BRIDGE_END)
         reason[slow & first] = int(SlowReason.FIRST_DECODE)
         mode = np.full(len(slots), int(StepMode.FAST), dtype=np.int8)
         mode[slow] = int(StepMode.SLOW)
         mode[dense] = int(StepMode.DENSE)
 
         self.fast_since_slow[slots] = np.where(slow | dense, 0, fast_since + 1)
-        # the offset shortens only the interval that follows a first selection
-        first_slow = slow & first & self.stagger[slots]
+        # the offset shortens only the interval that follows a first selection (proper: not the
+        # provisional one that opens a selected bridge)
+        first_slow = slow & ((first & ~self.bridge_open[slots]) | bridge_end) & self.stagger[slots]
         self.offset[slots] = np.where(first_slow, reuse_offset(context_lens, budget, self.phase[slots]),
                                       np.where(slow | dense, 0, self.offset[slots]))
         self.initialized[slots] = ~dense
@@ -302,7 +328,7 @@ class SlowStepTrigger:
         pending = self.pending[slots]
         new_pending = ~self.at_ender[slots] & (self.ender[tokens] | (pending & self.skip[tokens]))
         context_lens = _host(context_lens, np.int64)
-        dense = (context_lens < self.dense_below[slots]) | (context_lens < self.bridge_until[slots])
+        dense = self._dense(slots, context_lens, self.bridge_until[slots])
         self.pending[slots] = new_pending & ~dense
 
 

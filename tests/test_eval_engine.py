@@ -12,18 +12,19 @@ from sfi_vllm.tools import cli
 def test_eval_command_runs_the_suite_through_vllm(tmp_path):
     out, raw, rep = tmp_path / "q.jsonl", tmp_path / "q-raw.jsonl", tmp_path / "q"
     rc = cli.main(["eval", "--contexts", "512", "--tasks", "passkey,niah_single", "--samples", "1",
-                   "--policies", "dense,sfi,streaming", "--retentions", "0.2", "--out", str(out),
+                   "--policies", "dense,sfi,sfi-selected-bridge,streaming", "--retentions", "0.2", "--out", str(out),
                    "--raw", str(raw), "--report", str(rep), "--no-progress", "--kv-cache-gib", "2"])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # one row per policy x task x context x budget (dense at retention 1), with the issue's fields
     assert {(r["policy"], r["task"], r["context"], r["retention"]) for r in rows} == {
-        (p, t, 512, ret) for p, ret in (("dense", 1.0), ("sfi", 0.2), ("streaming", 0.2))
+        (p, t, 512, ret) for p, ret in (("dense", 1.0), ("sfi", 0.2), ("sfi-selected-bridge", 0.2),
+                                        ("streaming", 0.2))
         for t in ("passkey", "niah_single")}
     for r in rows:
         assert r["n"] == 1 and 0.0 <= r["score"] <= 100.0 and r["kind"] == "retrieval"
     recs = [json.loads(line) for line in raw.read_text().splitlines()]
-    assert len(recs) == 6 and all(r["config_error"] is None for r in recs)
+    assert len(recs) == 8 and all(r["config_error"] is None for r in recs)
     by = {(r["policy"], r["task"]): r for r in recs}
     for t in ("passkey", "niah_single"):
         assert by[("dense", t)]["fast_steps"] == 0
@@ -36,6 +37,11 @@ def test_eval_command_runs_the_suite_through_vllm(tmp_path):
         # each row's score is the mean of its raw records' (0/1 per expected string, in percent)
         row = next(r for r in rows if r["policy"] == "sfi" and r["task"] == t)
         assert row["score"] == pytest.approx(100 * sfi["score"], abs=0.01)
+        # bridge_attention selected: no dense step; a provisional selection at the first decode
+        # step, the first selection proper at the 17th
+        sel = by[("sfi-selected-bridge", t)]
+        assert sel["dense_steps"] == 0 and sel["slow_reasons"].get("first_decode") == 1
+        assert sel["slow_reasons"].get("bridge_end", 0) == (1 if sel["decode_steps"] > 16 else 0)
     table = (tmp_path / "q.md").read_text()
     assert "| 0.20 | sfi |" in table and "| 1.00 | dense |" in table
     assert (tmp_path / "q.png").stat().st_size > 1000

@@ -10,6 +10,7 @@ from sfi_vllm.trigger import (
     StepMode,
     boundary_tokens_from_tokenizer,
     classify_token_text,
+    reuse_offset,
 )
 
 END, NL, WORD, SPACE = 1, 2, 3, 4
@@ -190,7 +191,7 @@ def test_boundary_set_from_a_real_tokenizer():
 MIXED_SLOT_CONFIGS = (
     {"reuse_budget": 12, "min_gap": 4, "bridge_steps": 3},
     {"reuse_budget": 30, "min_gap": 8, "boundary_fire": "at_ender"},
-    {"reuse_budget": 9, "min_gap": 0, "bridge_steps": 6},
+    {"reuse_budget": 9, "min_gap": 0, "bridge_steps": 6, "bridge_attention": "selected"},
     {"boundary_trigger": False, "reuse_budget": 7, "min_gap": 2},
     {"reuse_budget": 20, "min_gap": 5, "dense_below_context": 1010},
     {"policy": "quest"},
@@ -360,6 +361,50 @@ def test_bridge_decodes_densely_then_selects_and_restarts_after_a_reset():
     snap = build_config({"policy": "snapkv", "bridge_steps": 3}, use_env=False)
     _, out = run(snap, [WORD] * 3)
     assert [m for m, _ in out] == [StepMode.SLOW, StepMode.FAST, StepMode.FAST]
+
+
+def test_selected_bridge_selects_at_its_start_and_again_at_its_end():
+    """bridge_attention selected: the first step is a slow step (a provisional set), the bridge's
+    steps are fast (a boundary after min_gap still fires), the first step past the bridge is a
+    BRIDGE_END slow step that attends densely and refreshes every layer, and the reuse stagger's
+    offset is drawn there, not at the provisional selection; a reset opens a new bridge."""
+    cfg = build_config({"bridge_steps": 4, "bridge_attention": "selected", "reuse_budget": 50, "min_gap": 2,
+                        "reuse_stagger": False}, use_env=False)
+    trig, out = run(cfg, [WORD, WORD, WORD, END, WORD, WORD, WORD, END, WORD])
+    assert out == [(StepMode.SLOW, SlowReason.FIRST_DECODE), (StepMode.FAST, SlowReason.NONE),
+                   (StepMode.FAST, SlowReason.NONE), (StepMode.FAST, SlowReason.NONE),
+                   (StepMode.SLOW, SlowReason.BRIDGE_END),  # the boundary after END is inside min_gap
+                   (StepMode.FAST, SlowReason.NONE), (StepMode.FAST, SlowReason.NONE),
+                   (StepMode.FAST, SlowReason.NONE), (StepMode.SLOW, SlowReason.BOUNDARY)]
+    trig.reset(torch.tensor([0]))
+    got = [SlowReason(int(trig.step(torch.tensor([0]), torch.tensor([WORD]), torch.tensor([7000 + i]))[1][0]))
+           for i in range(6)]
+    assert got == [SlowReason.FIRST_DECODE] + [SlowReason.NONE] * 3 + [SlowReason.BRIDGE_END, SlowReason.NONE]
+    # without a bridge the setting changes nothing
+    plain = build_config({"bridge_steps": 0, "reuse_budget": 3, "min_gap": 0, "reuse_stagger": False}, use_env=False)
+    sel = plain.model_copy(update={"bridge_attention": "selected"})
+    assert run(plain, [WORD] * 9)[1] == run(sel, [WORD] * 9)[1]
+    # the stagger: the reuse interval after BRIDGE_END is shortened, the bridge itself is not
+    stag = build_config({"bridge_steps": 4, "bridge_attention": "selected", "reuse_budget": 8, "min_gap": 0,
+                         "boundary_trigger": False}, use_env=False)
+    offsets = set()
+    for start in range(1000, 1016):
+        _, out = run(stag, [WORD] * 20, context_start=start)
+        reasons = [r for _, r in out]
+        assert reasons[:5] == [SlowReason.FIRST_DECODE] + [SlowReason.NONE] * 3 + [SlowReason.BRIDGE_END]
+        offset = int(reuse_offset([start + 4], [8])[0])
+        offsets.add(offset)
+        assert reasons.index(SlowReason.REUSE_BUDGET) == 4 + 1 + 8 - offset, (start, reasons)
+    assert len(offsets) > 4
+
+
+def test_selected_bridge_rows_plan_a_dense_first_selection():
+    """The controller treats BRIDGE_END as a first selection: the row attends densely (not
+    keys-only) and refreshes every layer."""
+    from sfi_vllm.controller import FIRST_SELECTION
+
+    assert SlowReason.BRIDGE_END in FIRST_SELECTION and SlowReason.FIRST_DECODE in FIRST_SELECTION
+    assert SlowReason.REUSE_BUDGET not in FIRST_SELECTION
 
 
 def test_bridge_with_lagged_and_deferred_token_reads_matches_exact_reads():

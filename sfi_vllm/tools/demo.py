@@ -33,7 +33,7 @@ GPU_RESULT = "2.23-2.27x"
 GPU_RESULT_FILE = "benchmarks/results/e2e-h200-itl.md"
 
 SLOW_REASONS = {"first_decode": "first step after the prompt", "boundary": "sentence end",
-                "reuse_budget": "reuse budget spent"}
+                "reuse_budget": "reuse budget spent", "bridge_end": "end of the bridge"}
 
 # The GPU result the lossless line cites: 8 drafts per verify against dense, one H200, a Qwen3-4B-shaped
 # model with random weights and vLLM's synthetic acceptance set to what SmolLM2 drafted with working

@@ -16,7 +16,8 @@ None: only the policy's own settings).
 * ``sfi``: the engine's default SFI (16-token pages ranked by the slow step's evidence and the
   prior, the pages after a strong page kept with it, a dense bridge of the first decode steps; see
   ``SFIConfig``) and its ablations: ``sfi-no-bridge``, ``sfi-no-follow``, ``sfi-nms`` (page-level
-  soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-interval`` (reuse budget only, no
+  soft-NMS on), ``sfi-no-prior``, ``sfi-bridge-32``, ``sfi-selected-bridge`` (the bridge's steps
+  attend through a provisional set: ``bridge_attention: selected``), ``sfi-interval`` (reuse budget only, no
   boundaries), ``sfi-boundary`` (boundaries only), ``sfi-dense-slow`` (slow steps attend densely, as
   the paper's do: ``slow_attention: dense``; the default's attend through the set they have),
   ``sfi-lockstep`` (``reuse_stagger`` off: requests that start together re-select together;
@@ -47,6 +48,7 @@ _POLICY: dict[str, dict[str, Any]] = {
     "sfi": {"policy": "sfi"},
     "sfi-no-bridge": {"policy": "sfi", "bridge_steps": 0},
     "sfi-bridge-32": {"policy": "sfi", "bridge_steps": 32},
+    "sfi-selected-bridge": {"policy": "sfi", "bridge_attention": "selected"},
     "sfi-no-follow": {"policy": "sfi", "selector": {"follow_pages": 0}},
     "sfi-nms": {"policy": "sfi", "selector": {"use_nms": True}},
     "sfi-no-prior": {"policy": "sfi", "selector": {"use_prior": False}},
