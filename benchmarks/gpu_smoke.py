@@ -163,7 +163,7 @@ def main() -> int:
             entry["fast_steps"] = sum(s["fast_steps"] for s in st)
             entry["slow_steps"] = sum(s["slow_steps"] for s in st)
             entry["slow_reasons"] = {k: sum(s["slow_reasons"].get(k, 0) for s in st)
-                                     for k in ("first_decode", "boundary", "reuse_budget")}
+                                     for k in ("first_decode", "bridge_end", "boundary", "reuse_budget")}
             entry["attended_fraction"] = [s["attended_fraction"] for s in st]
         if name == "sfi_small_graphs" and "error" not in results.get("sfi_small_eager", {"error": 1}):
             # full CUDA graphs replay the fast steps with each step's tables: same tokens as eager

@@ -280,8 +280,8 @@ class Policy(_SettingsModel):
     reuse_budget: int = Field(64, ge=1, le=1 << 20, description="max fast steps between slow steps")
     bridge_steps: int = Field(
         16, ge=0, le=1 << 20,
-        description="the first decode steps after a prefill that attend densely before the first "
-        "selection (the bridge): a request's first tokens often restate the question before the "
+        description="the first decode steps after a prefill that come before the first selection (the "
+        "bridge; they attend densely unless bridge_attention is selected): a request's first tokens often restate the question before the "
         "answer, and a set chosen from the first decode query misses what the answer reads; 0: select "
         "at the first decode step (the paper's). Policy sfi only: snapkv selects at the first decode step",
     )
@@ -289,9 +289,10 @@ class Policy(_SettingsModel):
         "dense",
         description="what the bridge's steps attend to. dense: the whole context, each a dense decode step; "
         "selected: a provisional set chosen at the first decode step (a slow step that attends densely), "
-        "as fast steps do, and the bridge ends with a slow step that attends densely and makes the first "
-        "selection as the dense bridge's end does (statistics: slow reason bridge_end). It replaces all but "
-        "two of the bridge's dense steps with fast ones (docs/selection.md)",
+        "as fast steps do (a sentence end or the reuse budget may re-select it, keys-only), and the bridge "
+        "ends with a slow step that attends densely and makes the first selection as the dense bridge's end "
+        "does (statistics: slow reason bridge_end). Of the dense bridge's steps one becomes a slow step and the "
+        "others fast steps; the bridge's tokens are then not dense's (docs/selection.md)",
     )
     reuse_stagger: bool = Field(
         True,

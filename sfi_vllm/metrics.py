@@ -43,7 +43,7 @@ class SFIMetrics:
         self.fallbacks = Counter("sfi_request_fallbacks", "Requests that ran with dense attention "
                                  "instead of the SFI settings they asked for, by reason", ["reason"])
         self.prefill_steps = Counter("sfi_prefill_steps", "Request-steps that prefilled (a prompt chunk)")
-        self.dense_steps = Counter("sfi_dense_steps", "Decode request-steps run densely (the bridge of "
+        self.dense_steps = Counter("sfi_dense_steps", "Decode request-steps run densely (the dense bridge of "
                                    "the first decode steps, policy dense, a context below "
                                    "dense_below_context, or a fallback)")
         self.fast_steps = Counter("sfi_fast_steps", "Decode request-steps that attended to the "

@@ -242,8 +242,10 @@ class SlowStepTrigger:
         slots = _host(slots, np.int64)
         context_lens = _host(context_lens, np.int64)
         fast_since = self.fast_since_slow[slots]
-        dense = self._dense(slots, context_lens, self._bridge_until(slots, context_lens))
-        return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots]
+        until = self._bridge_until(slots, context_lens)
+        dense = self._dense(slots, context_lens, until)
+        bridge_end = self.bridge_open[slots] & ~self.fresh[slots] & (context_lens >= until)
+        return (self.boundary_on[slots] & self.initialized[slots] & ~dense & ~self.never_slow[slots] & ~bridge_end
                 & (fast_since >= self.min_gap[slots])
                 & (fast_since.astype(np.int64) + self.offset[slots] < self.reuse_budget[slots]))
 
@@ -310,7 +312,9 @@ class SlowStepTrigger:
 
         self.fast_since_slow[slots] = np.where(slow | dense, 0, fast_since + 1)
         # the offset shortens only the interval that follows a first selection (proper: not the
-        # provisional one that opens a selected bridge)
+        # provisional one that opens a selected bridge). self.bridge_open is already this step's
+        # state: still open after a provisional FIRST_DECODE, closed at BRIDGE_END, and closed at a
+        # FIRST_DECODE that also ends the bridge (a dense range that outlasted it)
         first_slow = slow & ((first & ~self.bridge_open[slots]) | bridge_end) & self.stagger[slots]
         self.offset[slots] = np.where(first_slow, reuse_offset(context_lens, budget, self.phase[slots]),
                                       np.where(slow | dense, 0, self.offset[slots]))

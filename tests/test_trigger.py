@@ -373,9 +373,23 @@ def test_selected_bridge_selects_at_its_start_and_again_at_its_end():
     trig, out = run(cfg, [WORD, WORD, WORD, END, WORD, WORD, WORD, END, WORD])
     assert out == [(StepMode.SLOW, SlowReason.FIRST_DECODE), (StepMode.FAST, SlowReason.NONE),
                    (StepMode.FAST, SlowReason.NONE), (StepMode.FAST, SlowReason.NONE),
-                   (StepMode.SLOW, SlowReason.BRIDGE_END),  # the boundary after END is inside min_gap
+                   (StepMode.SLOW, SlowReason.BRIDGE_END),  # a boundary on the same step: the bridge's end
                    (StepMode.FAST, SlowReason.NONE), (StepMode.FAST, SlowReason.NONE),
                    (StepMode.FAST, SlowReason.NONE), (StepMode.SLOW, SlowReason.BOUNDARY)]
+    # a sentence end inside a longer bridge re-selects the provisional set (past min_gap), and the
+    # bridge still ends at its length
+    longer = cfg.model_copy(update={"bridge_steps": 8})
+    _, out = run(longer, [WORD, WORD, WORD, END, WORD, WORD, WORD, WORD, WORD, WORD])
+    assert [r for _, r in out] == [SlowReason.FIRST_DECODE, SlowReason.NONE, SlowReason.NONE, SlowReason.NONE,
+                                   SlowReason.BOUNDARY, SlowReason.NONE, SlowReason.NONE, SlowReason.NONE,
+                                   SlowReason.BRIDGE_END, SlowReason.NONE]
+    # a reuse budget shorter than the bridge re-selects inside it too
+    short = build_config({"bridge_steps": 6, "bridge_attention": "selected", "reuse_budget": 2, "min_gap": 0,
+                          "reuse_stagger": False, "boundary_trigger": False}, use_env=False)
+    _, out = run(short, [WORD] * 8)
+    assert [r for _, r in out] == [SlowReason.FIRST_DECODE, SlowReason.NONE, SlowReason.NONE,
+                                   SlowReason.REUSE_BUDGET, SlowReason.NONE, SlowReason.NONE,
+                                   SlowReason.BRIDGE_END, SlowReason.NONE]
     trig.reset(torch.tensor([0]))
     got = [SlowReason(int(trig.step(torch.tensor([0]), torch.tensor([WORD]), torch.tensor([7000 + i]))[1][0]))
            for i in range(6)]
@@ -398,13 +412,52 @@ def test_selected_bridge_selects_at_its_start_and_again_at_its_end():
     assert len(offsets) > 4
 
 
-def test_selected_bridge_rows_plan_a_dense_first_selection():
-    """The controller treats BRIDGE_END as a first selection: the row attends densely (not
-    keys-only) and refreshes every layer."""
-    from sfi_vllm.controller import FIRST_SELECTION
+@pytest.mark.parametrize("dense_below", [1002, 1004, 1006])
+def test_selected_bridge_with_a_dense_range(dense_below):
+    """A dense range (contexts below dense_below_context) that ends inside the bridge, at its end
+    or after it: the first step past the range selects; a range that ends inside the bridge leaves
+    it provisional until the bridge's end, one that outlasts the bridge makes it the first selection
+    proper (the stagger's offset drawn there)."""
+    cfg = build_config({"bridge_steps": 4, "bridge_attention": "selected", "reuse_budget": 50, "min_gap": 0,
+                        "dense_below_context": dense_below, "boundary_trigger": False}, use_env=False)
+    trig, out = run(cfg, [WORD] * 9)
+    reasons = [r for _, r in out]
+    modes = [m for m, _ in out]
+    k = dense_below - 1000
+    assert modes[:k] == [StepMode.DENSE] * k and out[k] == (StepMode.SLOW, SlowReason.FIRST_DECODE)
+    if k < 4:
+        assert reasons[k + 1:4] == [SlowReason.NONE] * (3 - k) and out[4] == (StepMode.SLOW, SlowReason.BRIDGE_END)
+    assert SlowReason.BRIDGE_END not in reasons[k + 1:] if k >= 4 else reasons.count(SlowReason.BRIDGE_END) == 1
+    assert int(trig.offset[0]) == int(reuse_offset([max(dense_below, 1004)], [50])[0])
+    assert not trig.bridge_open[0]
 
-    assert SlowReason.BRIDGE_END in FIRST_SELECTION and SlowReason.FIRST_DECODE in FIRST_SELECTION
-    assert SlowReason.REUSE_BUDGET not in FIRST_SELECTION
+
+def _plan_controller(sfi):
+    from sfi_vllm.controller import SFIController
+    from test_sfi_layer import fake_vllm_config
+
+    return SFIController(build_config({"boundary_token_ids": [7], **sfi}, use_env=False), fake_vllm_config(sfi))
+
+
+def test_the_controller_plans_a_bridge_end_as_a_first_selection():
+    """At BRIDGE_END the controller plans what a dense bridge's first selection gets: the row
+    attends densely (not keys-only, though slow_attention is keys and it has a set), refreshes
+    every layer under layer_interleaved_refresh, and records the stagger's offset drawn there; a
+    later re-selection is keys-only and refreshes half of the layers."""
+    import numpy as np
+
+    sfi = {"bridge_steps": 3, "bridge_attention": "selected", "slow_attention": "keys", "layer_interleaved_refresh": True,
+           "reuse_budget": 8, "min_gap": 0, "boundary_trigger": False}
+    ctl = _plan_controller(sfi)
+    plans = [ctl.plan_step(["r"], np.ones(1, int), np.array([2000 + i]), [2000], torch.tensor([3]))
+             for i in range(14)]
+    reasons = [p.reasons[0] for p in plans]
+    assert reasons[0] == SlowReason.FIRST_DECODE and reasons[3] == SlowReason.BRIDGE_END
+    assert plans[0].keys_only is None and plans[0].refresh_all == [True]
+    assert ctl.stats.get("r").reuse_offset == int(reuse_offset([2004], [8], [0])[0])
+    assert plans[3].keys_only is None and plans[3].refresh_all == [True]
+    later = [p for p in plans[4:] if p.reasons[0] == SlowReason.REUSE_BUDGET]
+    assert later and later[0].keys_only == [True] and later[0].refresh_all == [False]
 
 
 def test_bridge_with_lagged_and_deferred_token_reads_matches_exact_reads():

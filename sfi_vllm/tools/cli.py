@@ -370,7 +370,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     from sfi_vllm.config import build_config
 
     engine_sfi = _json_arg(args.sfi, "--sfi")
-    bridge = build_config(engine_sfi).bridge_steps  # a bad setting stops here, before anything loads
+    engine_cfg = build_config(engine_sfi)  # a bad setting stops here, before anything loads
+    bridge = engine_cfg.bridge_steps if engine_cfg.bridge_attention == "dense" else 0
     if args.model is not None and not args.from_raw:
         from sfi_vllm.tools.quality.runner import check_model_dir
 
