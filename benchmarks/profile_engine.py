@@ -8,6 +8,12 @@ generate calls of ``--tokens`` tokens run with e2e_bench's slow-step probe (a sl
 other step): one timed plainly, one under cProfile (host time per Python function: the
 ``tottime`` and ``cumtime`` tables), one under torch.profiler (device time per kernel, host time
 per op). Prints the tables; with ``--out`` also writes them to ``profile-engine-BxC.txt``.
+
+``--trace`` (with ``--out``): two more profiled calls, one with vLLM's ``record_function`` scopes
+and one with Python stacks, each exported as a gzipped Chrome trace (``trace-BxC-scopes.json.gz``,
+``trace-BxC-stacks.json.gz``) and read by ``trace_gaps.py``: how much of the call the device
+sat idle, and in which host code (stacks inflate Python time, so read that one's shares, not
+its milliseconds).
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ def main() -> int:
                     help="sfi.mode lossless: speculative settings as e2e_bench.py --spec's")
     ap.add_argument("--profiled", choices=("probe", "plain"), default="probe",
                     help="the run under the profilers: the slow-step probe or the engine's own settings")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --out: export Chrome traces and report the device's idle gaps")
     args = ap.parse_args()
+    if args.trace:
+        if not args.out:
+            raise SystemExit("--trace needs --out")
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # read by vLLM when a scope is first opened
 
     import torch
     from vllm import LLM, SamplingParams
@@ -99,6 +111,23 @@ def main() -> int:
                  + avg.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
     lines.append(f"## torch.profiler, {args.profiled} run, by host time\n"
                  + avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+    if args.trace:
+        import gzip
+        import shutil
+
+        from trace_gaps import report
+
+        for kind, stacks in (("scopes", False), ("stacks", True)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as tp:
+                llm.generate(prompts, profiled, use_tqdm=False)
+                torch.cuda.synchronize()
+            raw = Path(args.out) / f"trace-{args.point}-{kind}.json"
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            tp.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+            lines.append(f"## device idle gaps, {args.profiled} run, {kind}\n" + report(f"{raw}.gz"))
     text = "\n\n".join(lines)
     print(text)
     if args.out:
