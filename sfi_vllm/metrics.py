@@ -94,10 +94,29 @@ class SFIMetrics:
                                          "the engine runs after the request ends); a "
                                          "request that runs densely takes one only where no other slot is "
                                          "free", multiprocess_mode="mostrecent")
+        self._start_label_values()
         if not os.environ.get(MULTIPROC_ENV):
             logger.info("sfi-vllm: %s is not set, so SFI's metrics stay in this process: a server's "
                         "/metrics shows them only when the server starts with it set to an empty "
                         "directory", MULTIPROC_ENV)
+
+    def _start_label_values(self) -> None:
+        """Create every known label value at 0, so that ``/metrics`` lists each series from the
+        start (prometheus_client shows a labelled series only once it has been touched): a
+        dashboard or alert on ``sfi_request_fallbacks_total`` reads 0, not "no data", until the
+        first fallback. Label values that only appear with a setting (the Selector's graph runs)
+        are left to their first use."""
+        from typing import get_args
+
+        from sfi_vllm.config import SFIConfig
+        from sfi_vllm.stats import FALLBACK_REASONS, REASON_NAMES
+
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason=reason)
+        for reason in REASON_NAMES.values():
+            self.slow_steps.labels(reason=reason)
+        for policy in get_args(SFIConfig.model_fields["policy"].annotation):
+            self.requests.labels(policy=policy)
 
     def write(self, steps: Tally, fast_sums: list[int]) -> None:
         """Add one engine step's tallies: ``steps`` keyed by ("prefill" | "dense" | "fast" |

@@ -131,6 +131,8 @@ REASON_NAMES = {
     SlowReason.VERIFY: "verify",
     SlowReason.BRIDGE_END: "bridge_end",
 }
+# why a request ran densely instead of its SFI settings (its statistics' ``fallback``)
+FALLBACK_REASONS = ("config_error", "compact_pool_full")
 
 
 class StatsRegistry:
@@ -225,7 +227,10 @@ class StatsRegistry:
         sums[2] += 1
 
     def note_fallback(self, req_id: str, reason: str, detail: str | None = None) -> None:
-        """The request runs with dense attention instead of its SFI settings, for ``reason``."""
+        """The request runs with dense attention instead of its SFI settings, for ``reason`` (one
+        of ``FALLBACK_REASONS``, the label values the metrics start with)."""
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"unknown fallback reason {reason!r}; known: {', '.join(FALLBACK_REASONS)}")
         st = self.get(req_id)
         if st.fallback == reason:  # the same request again (after a preemption): counted once
             return

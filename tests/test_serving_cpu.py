@@ -273,6 +273,14 @@ def test_metrics_are_on_the_servers_metrics_endpoint(server):
                  "sfi_selection_seconds_count", "sfi_compact_sets", "sfi_compact_sets_in_use"):
         assert name in names, name
     assert 0 <= total(m, "sfi_compact_sets_in_use") <= total(m, "sfi_compact_sets") > 0
+    # every known label value is listed from the start, 0 until it happens: a dashboard on the
+    # fallbacks reads 0, not "no data"
+    from sfi_vllm.stats import FALLBACK_REASONS, REASON_NAMES
+
+    for reason in FALLBACK_REASONS:
+        assert ("sfi_request_fallbacks_total", (("reason", reason),)) in m, reason
+    for reason in REASON_NAMES.values():
+        assert ("sfi_slow_steps_total", (("reason", reason),)) in m, reason
     assert total(m, "sfi_slow_steps_total", reason="first_decode") > 0
     assert total(m, "sfi_slow_steps_total", reason="reuse_budget") > 0
     assert 0 < total(m, "sfi_fast_attended_tokens_total") < total(m, "sfi_fast_context_tokens_total")

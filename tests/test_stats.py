@@ -101,6 +101,24 @@ def test_graph_runs_reach_the_metric_as_what_each_count_grew_by():
     StatsRegistry().note_graph_runs("selection", {"replay": 1})
 
 
+def test_fallbacks_count_once_per_request_under_a_known_reason():
+    """Fallback reasons are the metrics' label values, listed at 0 from the start
+    (``SFIMetrics``): a reason outside ``FALLBACK_REASONS`` would be a series no one expects."""
+    import pytest
+    from types import SimpleNamespace
+
+    from sfi_vllm.stats import FALLBACK_REASONS
+
+    fallbacks = _FakeCounter()
+    reg = StatsRegistry(metrics=SimpleNamespace(fallbacks=fallbacks))
+    for reason in FALLBACK_REASONS:
+        reg.note_fallback(f"r-{reason}", reason)
+        reg.note_fallback(f"r-{reason}", reason)  # the same request again, after a preemption
+    assert fallbacks.values == {(("reason", r),): 1 for r in FALLBACK_REASONS}
+    with pytest.raises(ValueError, match="unknown fallback reason 'pool_full'"):
+        reg.note_fallback("r", "pool_full")
+
+
 def test_the_executor_counts_both_refresh_paths_together():
     from sfi_vllm.backends.cuda_executor import CudaExecutor
     from sfi_vllm.config import build_config

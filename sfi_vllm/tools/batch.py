@@ -428,10 +428,10 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
             if req.sfi or sfi_entries(extra):
                 check_sfi(rid, {**(extra if isinstance(extra, dict) else {}), **({"sfi": req.sfi} if req.sfi else {})})
             params = make_params(req)
-        except SFIConfigError as e:
+        except (SFIConfigError, UnknownSamplingField) as e:
             yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
             continue
-        except Exception as e:  # SamplingParams refused the sampling fields
+        except Exception as e:  # SamplingParams refused the sampling fields' values
             yield dict(id=rid, line=lineno, error=" ".join(f"{type(e).__name__}: {e}".split()))
             continue
         yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages, line=lineno)
@@ -471,7 +471,10 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     defaults = dict(llm.model_config.get_diff_sampling_param() or {})
     ctl = current_controller()
 
+    fields = {f for f in SamplingParams.__struct_fields__ if not f.startswith("_")}
+
     def make_params(req: BatchLine) -> Any:
+        check_sampling_fields(req.sampling, fields)
         kw = {**defaults, "max_tokens": max_tokens, **req.sampling}  # --max-tokens over the model's default
         extra = dict(kw.pop("extra_args", None) or {})
         if isinstance(kw.get("logit_bias"), dict):
@@ -515,6 +518,22 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     totals["earlier_errors"] = earlier
     totals["sfi_settings_unused"] = len(unused)
     return totals
+
+
+class UnknownSamplingField(ValueError):
+    """A line's ``sampling`` object names a field that vLLM's ``SamplingParams`` does not have."""
+
+
+def check_sampling_fields(sampling: dict[str, Any], fields: set[str]) -> None:
+    """Refuse the first key of ``sampling`` that is not one of ``fields`` (vLLM's public
+    ``SamplingParams`` fields), naming it by its path in the line and the nearest field."""
+    import difflib
+
+    for key in sampling:
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise UnknownSamplingField(f"sampling.{key}: not a field of vLLM's SamplingParams"
+                                       + (f"; did you mean {near[0]!r}?" if near else ""))
 
 
 def token_id_keys(bias: dict[Any, Any], name: str) -> dict[int, Any]:
