@@ -7,7 +7,8 @@ per variant. Used to pick the defaults; results in benchmarks/results/kernel-tun
 
 ``--keep``: the working set per row and KV head (the compact set plus the 256-token window).
 Splits default to the engine's (``uniform_num_splits``, a CUDA-graph batch's count) and twice
-and four times that, and :func:`default_num_splits`'s.
+and four times that, and :func:`default_num_splits`'s (kernel-tune-h200.txt swept 5, 10 and 20
+at 16 x 16K: ``--splits 5,10,20`` repeats it).
 """
 
 import argparse
@@ -35,6 +36,8 @@ def main():
     args = ap.parse_args()
     batch, context = (int(x) for x in args.point.split("x"))
     keep = args.keep
+    if keep <= WINDOW:
+        raise SystemExit(f"--keep must exceed the {WINDOW}-token window (it includes it)")
     kv, kc, vc, bt, q = setup(batch, context)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     ck = torch.randn(batch, HKV, keep - WINDOW, D, device="cuda", dtype=q.dtype)

@@ -228,9 +228,11 @@ class StatsRegistry:
 
     def note_fallback(self, req_id: str, reason: str, detail: str | None = None) -> None:
         """The request runs with dense attention instead of its SFI settings, for ``reason`` (one
-        of ``FALLBACK_REASONS``, the label values the metrics start with)."""
+        of ``FALLBACK_REASONS``, the label values the metrics start with). Another reason is a
+        bug of the caller: logged, and counted all the same (the request is served densely, so
+        this must not stop the engine)."""
         if reason not in FALLBACK_REASONS:
-            raise ValueError(f"unknown fallback reason {reason!r}; known: {', '.join(FALLBACK_REASONS)}")
+            logger.error("sfi-vllm: fallback reason %r is not one of %s", reason, ", ".join(FALLBACK_REASONS))
         st = self.get(req_id)
         if st.fallback == reason:  # the same request again (after a preemption): counted once
             return

@@ -257,7 +257,8 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
              # refused by SamplingParams: not submitted, so not counted
              {"id": "bad-sampling", "prompt": "d", "sfi": {"sinks": 2}, "sampling": {"temperature": -1}},
              # a field SamplingParams does not have: named by its path, with the nearest field
-             {"id": "typo", "prompt": "e", "sampling": {"max_token": 5}}]
+             {"id": "typo", "prompt": "e", "sampling": {"max_token": 5}},
+             {"custom_id": "body-typo", "body": {"prompt": "f", "top_kk": 3}}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     seen = {}
@@ -278,10 +279,11 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
     monkeypatch.setattr(batch, "run_requests", fake_run_requests)
     t = batch.run_batch(src, tmp_path / "dense.jsonl", fake_llm("FLASH_ATTN"), progress=False)
     assert sorted(seen) == ["native", "openai", "plain"] and t["sfi_settings_unused"] == 2
-    refused, typo = map(json.loads, (tmp_path / "dense.jsonl").read_text().splitlines())
+    refused, typo, body_typo = map(json.loads, (tmp_path / "dense.jsonl").read_text().splitlines())
     assert refused["id"] == "bad-sampling" and "temperature" in refused["error"]
     assert typo == {"id": "typo", "line": 5, "error": "sampling.max_token: not a field of vLLM's SamplingParams; "
                     "did you mean 'max_tokens'?"}, typo
+    assert body_typo["error"] == "body.top_kk: not a field of vLLM's SamplingParams; did you mean 'top_k'?", body_typo
 
     class Refusing:
         def request_config(self, extra_args):

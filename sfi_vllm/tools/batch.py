@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
 
 
 class BatchLine(BaseModel):
@@ -55,6 +55,8 @@ class BatchLine(BaseModel):
     messages: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = {}
     sfi: dict[str, Any] | None = None
+    # where the sampling fields were written: "sampling", or "body" (an OpenAI run-batch line)
+    _sampling_path: str = PrivateAttr("sampling")
 
     @model_validator(mode="after")
     def _one_input(self) -> "BatchLine":
@@ -143,6 +145,8 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
     try:
         fields = _from_openai_batch(data) if "body" in data else data
         req = BatchLine.model_validate(fields)
+        if "body" in data:
+            req._sampling_path = "body"
     except ValidationError as e:
         msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg'].removeprefix('Value error, ')}"
                         for err in e.errors())
@@ -471,10 +475,12 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     defaults = dict(llm.model_config.get_diff_sampling_param() or {})
     ctl = current_controller()
 
-    fields = {f for f in SamplingParams.__struct_fields__ if not f.startswith("_")}
+    import msgspec
+
+    fields = {f.name for f in msgspec.structs.fields(SamplingParams) if not f.name.startswith("_")}
 
     def make_params(req: BatchLine) -> Any:
-        check_sampling_fields(req.sampling, fields)
+        check_sampling_fields(req.sampling, fields, req._sampling_path)
         kw = {**defaults, "max_tokens": max_tokens, **req.sampling}  # --max-tokens over the model's default
         extra = dict(kw.pop("extra_args", None) or {})
         if isinstance(kw.get("logit_bias"), dict):
@@ -524,15 +530,16 @@ class UnknownSamplingField(ValueError):
     """A line's ``sampling`` object names a field that vLLM's ``SamplingParams`` does not have."""
 
 
-def check_sampling_fields(sampling: dict[str, Any], fields: set[str]) -> None:
+def check_sampling_fields(sampling: dict[str, Any], fields: set[str], path: str = "sampling") -> None:
     """Refuse the first key of ``sampling`` that is not one of ``fields`` (vLLM's public
-    ``SamplingParams`` fields), naming it by its path in the line and the nearest field."""
+    ``SamplingParams`` fields), naming it by its path in the line (``path``: "sampling", or
+    "body" for a run-batch line) and the nearest field."""
     import difflib
 
     for key in sampling:
         if key not in fields:
             near = difflib.get_close_matches(key, sorted(fields), n=1)
-            raise UnknownSamplingField(f"sampling.{key}: not a field of vLLM's SamplingParams"
+            raise UnknownSamplingField(f"{path}.{key}: not a field of vLLM's SamplingParams"
                                        + (f"; did you mean {near[0]!r}?" if near else ""))
 
 
