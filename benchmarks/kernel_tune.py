@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from kernel_bench import HKV, HQ, D, WINDOW, graph_time_us, setup
+from attn_timing import HKV, HQ, D, WINDOW, graph_time_us, setup
 from sfi_vllm.kernels.fast_decode import (default_num_splits, fast_decode_attention, make_workspace,
                                           uniform_num_splits)
 
