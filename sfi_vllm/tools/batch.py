@@ -463,6 +463,7 @@ def _runs_sfi(llm: Any) -> bool:
 def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: int = 256,
               max_open: int = 16, retry_errors: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run every request of ``in_path`` not yet in ``out_path`` through ``llm`` (module doc)."""
+    import msgspec
     from vllm import SamplingParams
 
     from sfi_vllm.controller import current_controller
@@ -474,9 +475,7 @@ def run_batch(in_path: str | Path, out_path: str | Path, llm: Any, max_tokens: i
     # the model's generation_config.json defaults (temperature, top_p, ...), as `vllm serve` uses them
     defaults = dict(llm.model_config.get_diff_sampling_param() or {})
     ctl = current_controller()
-
-    import msgspec
-
+    # vLLM's SamplingParams is a msgspec Struct: its public fields are what a line may set
     fields = {f.name for f in msgspec.structs.fields(SamplingParams) if not f.name.startswith("_")}
 
     def make_params(req: BatchLine) -> Any:
