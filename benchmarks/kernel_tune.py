@@ -3,11 +3,9 @@ per variant. Used to pick the defaults; results in benchmarks/results/kernel-tun
 (the default point: 16 x 16K, 12.5% retention).
 
     python3 benchmarks/kernel_tune.py [--point 6x131072 --keep 2308] [--splits 11,22] [--block-n 32,64]
-        [--warps 4,8] [--stages 2,3,4] [--merge fused,kernel]
+        [--warps 4,8] [--stages 2,3,4]
 
 ``--keep``: the working set per row and KV head (the compact set plus the 256-token window).
-``--merge``: where the splits are merged, in the split kernel (``fused``, the engine's) or by a
-second launch (``kernel``); each variant runs with each.
 Splits default to the engine's (``uniform_num_splits``, a CUDA-graph batch's count) and twice
 and four times that, and :func:`default_num_splits`'s (kernel-tune-h200.txt swept 5, 10 and 20
 at 16 x 16K: ``--splits 5,10,20`` repeats it).
@@ -35,7 +33,6 @@ def main():
     ap.add_argument("--block-n", type=_ints, default=[32, 64, 128])
     ap.add_argument("--warps", type=_ints, default=[4, 8])
     ap.add_argument("--stages", type=_ints, default=[2, 3, 4])
-    ap.add_argument("--merge", default="fused", help="comma-separated: fused, kernel")
     args = ap.parse_args()
     batch, context = (int(x) for x in args.point.split("x"))
     keep = args.keep
@@ -55,20 +52,16 @@ def main():
     nbytes = batch * keep * HKV * D * 4
     print(f"# {batch}x{context}, working set {keep}, engine splits {engine}; bf16, Qwen3-4B attention shape",
           flush=True)
-    merges = [m for m in args.merge.split(",") if m]
-    for splits, bn, warps, stages, merge in itertools.product(splits_list, args.block_n, args.warps, args.stages,
-                                                              merges):
-        w = make_workspace(batch, HQ, D, splits, "cuda", kv_heads=HKV)
-        name = f"splits={splits} block_n={bn} warps={warps} stages={stages} merge={merge}"
+    for splits, bn, warps, stages in itertools.product(splits_list, args.block_n, args.warps, args.stages):
+        w = make_workspace(batch, HQ, D, splits, "cuda")
         try:
             us = graph_time_us(lambda: fast_decode_attention(q, ck, cv, kc, vc, bt, slots, zeros, lens, nc, ws, D ** -0.5,
                                                              splits, out=out, workspace=w, block_n=bn,
-                                                             num_warps=warps, num_stages=stages, merge=merge),
-                               replays=100)
+                                                             num_warps=warps, num_stages=stages), replays=100)
         except Exception as e:  # out of resources etc.
-            print(f"{name}: {type(e).__name__}")
+            print(f"splits={splits} block_n={bn} warps={warps} stages={stages}: {type(e).__name__}")
             continue
-        print(f"{name}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+        print(f"splits={splits} block_n={bn} warps={warps} stages={stages}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,7 @@ for dense rows of at least 64K keys in launches of at most 8 rows
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
 sequence ``compact ++ window``, keeps an online softmax, and writes a partial output and its
-log-sum-exp, merged exactly (weights ``exp(lse - max lse)``).
-
-Split merge (``merge=``): by default (``fused``) the last of a (row, KV head)'s programs to finish
-merges the group's splits, found by an arrival count in the workspace (:func:`_merge_if_last`);
-a launch of one split writes its output directly. ``kernel`` merges in a second launch
-(:func:`_merge_splits`), the layout before the fused merge, kept for comparison
-(``benchmarks/kernel_tune.py --merge``).
+log-sum-exp; a second kernel merges the splits exactly.
 """
 
 from __future__ import annotations
@@ -157,7 +151,7 @@ def _window_part(q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
 # values that change with the batch (layer, stride_btb) or that need no specialization (wide_from)
 @triton.jit(do_not_specialize=["layer", "stride_btb", "wide_from"])
 def _fast_decode_split(
-    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, OUT, CNT, STAGE,
+    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer, wide_from,
     stride_qb, stride_qh, stride_stb, stride_sth,
     stride_cks, stride_ckh, stride_ckn,
@@ -167,11 +161,10 @@ def _fast_decode_split(
     stride_btb,
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
-    stride_ob, stride_oh,
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
-    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr, WIDE_N: tl.constexpr, MERGE: tl.constexpr,
+    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr, WIDE_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -276,52 +269,11 @@ def _fast_decode_split(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     heads = h * G + offs_g
-    if MERGE and NUM_SPLITS == 1:  # the only split: its output is the row's
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=gmask[:, None])
-    else:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
-                 mask=gmask[:, None])
-        tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
-        if MERGE:
-            _merge_if_last(ACC, LSE, OUT, CNT + b * tl.num_programs(1) + h, b, heads, gmask, offs_d,
-                           stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                           G_PAD, D, NUM_SPLITS)
-
-
-@triton.jit
-def _merge_if_last(ACC, LSE, OUT, counter, b, heads, gmask, offs_d, stride_ab, stride_ah, stride_as,
-                   stride_lb, stride_lh, stride_ob, stride_oh, G_PAD: tl.constexpr, D: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr):
-    """The split merge inside the split kernel: each program of a (row, KV head) raises the
-    group's arrival count once its partial output and LSE are stored; the program that arrives
-    last reads every split's (from L2) and writes the merged output of the group's query heads,
-    then sets the count back to zero for the next launch. The ordering is the one cooperative
-    groups' grid barrier relies on: a CTA barrier after the stores, then one thread's acq_rel
-    atomic at GPU scope (its release covers the CTA's stores, its acquire the other programs').
-    The arithmetic is :func:`_merge_splits`'s."""
-    tl.debug_barrier()  # every thread's stores before the count is raised
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:
-        lse_row = LSE + b * stride_lb + heads * stride_lh
-        m = tl.full([G_PAD], float("-inf"), tl.float32)
-        for j in range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(lse_row + j, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        acc_row = ACC + b * stride_ab + heads[:, None] * stride_ah + offs_d[None, :]
-        total = tl.zeros([G_PAD, D], tl.float32)
-        wsum = tl.zeros([G_PAD], tl.float32)
-        for j in range(NUM_SPLITS):
-            w = tl.exp(tl.load(lse_row + j, mask=gmask, other=float("-inf"), cache_modifier=".cg") - m)
-            total += w[:, None] * tl.load(acc_row + j * stride_as, mask=gmask[:, None], other=0.0,
-                                          cache_modifier=".cg")
-            wsum += w
-        out = total / tl.maximum(wsum, 1e-30)[:, None]
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=gmask[:, None])
-        tl.store(counter, 0)
+    tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
+             mask=gmask[:, None])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
 
 
 @triton.jit
@@ -389,31 +341,6 @@ def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_siz
                for b in range(1, max_rows + 1))
 
 
-class UniformWorkspace(NamedTuple):
-    """The CUDA-graph batches' scratch, shared by every layer (they run one after another on
-    one stream): float32 ``scratch`` of :func:`uniform_workspace_numel` elements, cut per launch
-    into partial outputs and LSEs, and the fused merge's int32 arrival counts (``max_rows`` x KV
-    heads, zero between launches)."""
-    scratch: torch.Tensor
-    counts: torch.Tensor
-
-    def for_launch(self, rows: int, q_heads: int, kv_heads: int, head_size: int, splits: int) -> "Workspace":
-        need = rows * q_heads * splits * (head_size + 1)
-        if need > self.scratch.numel() or rows * kv_heads > self.counts.numel():
-            raise RuntimeError(f"sfi-vllm: the fast-step workspace holds {self.scratch.numel()} floats and "
-                               f"{self.counts.numel()} counts; a launch of {rows} rows and {splits} splits "
-                               f"needs {need} and {rows * kv_heads}")
-        acc = self.scratch[: rows * q_heads * splits * head_size].view(rows, q_heads, splits, head_size)
-        lse = self.scratch[acc.numel(): need].view(rows, q_heads, splits)
-        return Workspace(acc, lse, self.counts)
-
-
-def make_uniform_workspace(max_rows: int, q_heads: int, kv_heads: int, head_size: int, device) -> UniformWorkspace:
-    return UniformWorkspace(
-        torch.empty(uniform_workspace_numel(max_rows, q_heads, kv_heads, head_size), dtype=torch.float32, device=device),
-        torch.zeros(max_rows * kv_heads, dtype=torch.int32, device=device))
-
-
 def fast_decode_attention(
     q: torch.Tensor,  # (B, Hq, D)
     compact_k: torch.Tensor,  # (slots, Hkv, C, D)
@@ -439,7 +366,6 @@ def fast_decode_attention(
     wide_from: int = 0,
     num_warps: int = 4,
     num_stages: int = 2,
-    merge: str = "fused",
 ) -> torch.Tensor:
     """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
     :func:`make_workspace`) and every launch reads only device tensors. With ``slot_map`` a
@@ -449,23 +375,13 @@ def fast_decode_attention(
     logits and key norms (module doc); the caller sizes the buffers for the frames it assigns.
     ``key_block_n``: the keys-only rows' score tile (a power of two and a multiple of ``block_n``;
     default :data:`KEY_BLOCK_N`, or ``block_n`` if larger). ``wide_block_n`` (0: off): the tile of
-    the dense rows of at least ``wide_from`` keys that write no scores (module doc, "Wide tiles").
-    ``merge``: ``fused`` (the split kernel's last program of each row and KV head merges the
-    splits; the workspace's arrival counts must be zero, and are left zero) or ``kernel`` (a
-    second launch, :func:`_merge_splits`; module doc, "Split merge")."""
+    the dense rows of at least ``wide_from`` keys that write no scores (module doc, "Wide tiles")."""
     B, Hq, D = q.shape
     Hkv = compact_k.shape[1]
     G = Hq // Hkv
-    if merge not in ("fused", "kernel"):
-        raise ValueError(f"merge: 'fused' or 'kernel'; got {merge!r}")
     if out is None:
         out = torch.empty_like(q)
-    acc, lse, counts = workspace if workspace is not None else make_workspace(B, Hq, D, num_splits, q.device)
-    fused = merge == "fused"
-    if fused:
-        assert counts.dtype == torch.int32 and counts.numel() >= B * Hkv, \
-            "merge fused: the workspace's arrival counts hold one int32 per row and KV head"
-    assert out.stride(-1) == 1
+    acc, lse = workspace if workspace is not None else make_workspace(B, Hq, D, num_splits, q.device)
     for t in (q, compact_k, compact_v, key_cache, value_cache):
         assert t.stride(-1) == 1
     if stage is not None:
@@ -483,8 +399,7 @@ def fast_decode_attention(
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
         row_min_window_start, seq_lens, compact_len, window_start,
-        slot_map if slot_map is not None else row_slot, acc, lse, out, counts,
-        stage if stage is not None else q,
+        slot_map if slot_map is not None else row_slot, acc, lse, stage if stage is not None else q,
         *sc, wide_from,
         q.stride(0), q.stride(1), *((stage.stride(0), stage.stride(1)) if stage is not None else (0, 0)),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
@@ -494,15 +409,12 @@ def fast_decode_attention(
         block_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
         HAS_STAGE=stage is not None, HAS_SCORES=scores is not None, KEY_BLOCK=key_block,
-        WIDE_N=wide_block_n, MERGE=fused, num_warps=num_warps, num_stages=num_stages,
+        WIDE_N=wide_block_n, num_warps=num_warps, num_stages=num_stages,
     )
-    if fused:
-        return out
     _merge_splits[(B, Hq)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), D=D, NUM_SPLITS=num_splits,
@@ -511,20 +423,7 @@ def fast_decode_attention(
     return out
 
 
-class Workspace(NamedTuple):
-    """The split kernel's scratch: float32 partial outputs ``(rows, Hq, splits, D)`` and LSEs
-    ``(rows, Hq, splits)``, and the int32 arrival counts of the fused merge (one per row and KV
-    head, zero between launches)."""
-    acc: torch.Tensor
-    lse: torch.Tensor
-    counts: torch.Tensor
-
-
-def make_workspace(rows: int, q_heads: int, head_size: int, num_splits: int, device,
-                   kv_heads: int | None = None) -> Workspace:
-    """A workspace for one launch shape; ``kv_heads`` (default ``q_heads``, an upper bound) sizes
-    the arrival counts."""
+def make_workspace(rows: int, q_heads: int, head_size: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     acc = torch.empty(rows, q_heads, num_splits, head_size, dtype=torch.float32, device=device)
     lse = torch.empty(rows, q_heads, num_splits, dtype=torch.float32, device=device)
-    counts = torch.zeros(rows * (kv_heads or q_heads), dtype=torch.int32, device=device)
-    return Workspace(acc, lse, counts)
+    return acc, lse

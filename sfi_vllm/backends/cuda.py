@@ -228,7 +228,7 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
 
     def _packed_buffer(self, vllm_config, num_kv_heads: int, head_size: int) -> PackedCompactBuffer | None:
         from sfi_vllm.config import config_from_vllm
-        from sfi_vllm.kernels.fast_decode import make_uniform_workspace
+        from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
 
         cfg = config_from_vllm(vllm_config)
         if cfg.kernels == "torch":
@@ -239,11 +239,10 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         if executor.fast_workspace is None:
             # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
             # (they run one after another on one stream); allocated here so profiling counts it
-            executor.fast_workspace = make_uniform_workspace(
-                max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size,
-                torch.device("cuda", torch.cuda.current_device()))
-            logger.info_once("sfi-vllm: fast-step workspace %.1f MiB",
-                             executor.fast_workspace.scratch.numel() * 4 / 2**20)
+            numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size)
+            executor.fast_workspace = torch.empty(numel, dtype=torch.float32,
+                                                  device=torch.device("cuda", torch.cuda.current_device()))
+            logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)
         slots = ctl.compact_slots  # the pool (sfi_vllm.compact_pool), at most max_num_seqs
         capacity = cfg.compact_capacity(int(vllm_config.model_config.max_model_len))
         dtype = vllm_config.model_config.dtype
@@ -318,6 +317,5 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
     def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV(kv_cache, "flash", self.head_size)
 
-    def _workspace(self):
-        """The uniform fast path's :class:`~sfi_vllm.kernels.fast_decode.UniformWorkspace`."""
+    def _workspace(self) -> torch.Tensor:
         return self.sfi_controller.executor.fast_workspace

@@ -68,7 +68,7 @@ class CudaExecutor:
         # called with the seconds of one layer's selection and repack (sfi_selection_seconds)
         self.observe_selection = observe_selection
         self._timings: deque = deque(maxlen=MAX_PENDING_TIMINGS)  # (start event, end event, layers)
-        self.fast_workspace = None  # the uniform fast path's UniformWorkspace (set by the impl)
+        self.fast_workspace: torch.Tensor | None = None  # the uniform fast path's scratch (set by the impl)
         # every layer's fused slow-step scores (FusedScoreBuffers, set by the impl when
         # ``fused_scores_tokens`` resolves to more than 0); steps whose slow rows do not fit are counted
         self.fused_scores = None

@@ -12,9 +12,9 @@ compilations after start-up, 10 of them in its timed pass, each a pause of 0.5-1
 running request (``benchmarks/results/serve-bench-qwen-h200.md``).
 
 :func:`warm_up_eager_kernels` launches each such configuration once on a few tokens: the fast-step
-kernel (its splits merged inside it) at every eager split count, the slow-step score kernel, the
-Selector's kernels at every statistics pad with the engine's Selector settings, the page top-K at
-every tile of best pages up to the engine's budget, and both repack kernels. It reads the layer's real KV cache (block
+kernel and its merge at every eager split count, the slow-step score kernel, the Selector's kernels
+at every statistics pad with the engine's Selector settings, the page top-K at every tile of best
+pages up to the engine's budget, and both repack kernels. It reads the layer's real KV cache (block
 0, through its own block table) and writes only buffers of its own. What else made variants is kept
 from varying: integer arguments that change with the batch (row strides, selection sizes, split
 counts) are ``do_not_specialize`` in the kernels, and the per-step host tables whose rows the

@@ -12,8 +12,6 @@ resources belong to the engine's :class:`~sfi_vllm.backends.cuda_executor.CudaEx
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from sfi_vllm.backends.common import FastRows, SFILayer, SFIStep, _to_device, all_scored
@@ -23,9 +21,6 @@ from sfi_vllm.compact import PackedCompactBuffer
 from sfi_vllm.controller import SFIController
 from sfi_vllm.host_copy import rows_to_device, tensor_to_device
 from sfi_vllm.paged_kv import PagedKV
-
-if TYPE_CHECKING:
-    from sfi_vllm.kernels.fast_decode import UniformWorkspace
 
 # sfi.experimental.wide_dense_tiles: the fast-step kernel's wide tiles (kernels/fast_decode.py, "Wide
 # tiles") for the dense rows of at least WIDE_DENSE_FROM keys, in uniform launches of at most
@@ -254,7 +249,7 @@ class PackedSFILayer(SFILayer):
         return WIDE_DENSE_TILE if self.wide_dense_from and rows <= WIDE_DENSE_MAX_ROWS else 0
 
     def fast_uniform(self, tables: FastRows, paged: PagedKV, query: torch.Tensor,
-                     output: torch.Tensor, workspace: UniformWorkspace) -> None:
+                     output: torch.Tensor, workspace: torch.Tensor) -> None:
         """Every row one decode token (fast rows read their compact set, the others attend
         densely): one launch with fixed shapes that reads only device tables, so it can be
         captured in a full CUDA graph and replayed with the tables of later steps."""
@@ -265,7 +260,13 @@ class PackedSFILayer(SFILayer):
         b = min(tables.rows, query.shape[0])
         splits = uniform_num_splits(b, self.num_kv_heads, one_wave=self.one_wave_splits)
         wide = self.wide_tile(b)
-        work = workspace.for_launch(b, self.num_heads, self.num_kv_heads, self.head_size, splits)
+        need = b * self.num_heads * splits * (self.head_size + 1)
+        if need > workspace.numel():
+            raise RuntimeError(f"sfi-vllm: fast-step workspace holds {workspace.numel()} floats, "
+                               f"a batch of {b} rows needs {need}")
+        acc = workspace[: b * self.num_heads * splits * self.head_size].view(
+            b, self.num_heads, splits, self.head_size)
+        lse = workspace[acc.numel(): need].view(b, self.num_heads, splits)
         key_cache, value_cache = paged.nhd_views()
         scores = None
         fused = self.executor.fused_scores
@@ -277,5 +278,5 @@ class PackedSFILayer(SFILayer):
         fast_decode_attention(
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
-            self.scale, splits, out=output[:b], workspace=work, slot_map=buf.slot_map_dev,
+            self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
             stage=self.stage, scores=scores, wide_block_n=wide, wide_from=self.wide_dense_from)

@@ -36,7 +36,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.controller import SFIController
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from sfi_vllm.kernels.fast_decode import make_uniform_workspace
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import fake_vllm_config, plan_for
 
     n = len(seq_lens)
@@ -91,7 +91,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                    block_table=torch.cat([cam.block_table_tensor, cam.block_table_tensor[:1]]))
     qu = torch.cat([qd, qd[:1]])
     out = torch.full_like(qu, float("nan"))
-    ws = make_uniform_workspace(8, hq, hkv, d, device)
+    ws = torch.empty(uniform_workspace_numel(8, hq, hkv, d), dtype=torch.float32, device=device)
     fast.fast_uniform(uni, paged, qu, out, ws)
     out = out.float().cpu()
     err = ((out[: n - 1] - outs[0]).norm() / outs[0].norm()).item()
@@ -190,7 +190,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     from sfi_vllm.compact import RowGeometry
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
-    from sfi_vllm.kernels.fast_decode import make_uniform_workspace
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from test_sfi_layer import plan_for
 
     n = len(seq_lens)
@@ -218,7 +218,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
         layer.kv = p.nhd_views()
     persistent = torch.zeros(5 if fused else 2, n, dtype=torch.int32, device=device)
-    ws = make_uniform_workspace(n, hq, hkv, d, device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
     for it in range(steps):
         on_set = keys and it > 0  # keys-only slow rows, once they have sets
         for p in pageds:
@@ -458,7 +458,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     from sfi_vllm.backends.common import FastRows, SFIStep, attach_fast_tables, make_step
     from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers
-    from sfi_vllm.kernels.fast_decode import make_uniform_workspace
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from sfi_vllm.tools.policies import policy_overrides
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import FakeCAM, plan_for
@@ -498,7 +498,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     dispatcher = SimpleNamespace(dispatch=lambda rows: (CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=rows + 1)))
     proposer = SimpleNamespace(model=object(), method="draft_model", cudagraph_dispatcher=dispatcher)
     ctl.first_pass_rows = lambda c: first_pass_graph_rows(ctl, proposer, c)  # what the propose wrapper sets
-    ws = make_uniform_workspace(n, hq, hkv, d, device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
 
     paged, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=5)
     pageds = [PagedKV(paged.kv_cache.clone(), "flash", d) for _ in range(layers)]

@@ -66,7 +66,7 @@ def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=1
     from sfi_vllm.backends.common import uniform_tables
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import plan_for
-    from sfi_vllm.kernels.fast_decode import make_uniform_workspace
+    from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
 
     n = len(seq_lens)
     (ctl, ref_ctl), (stack, ref_stack) = overlap_stacks((True, False), hq, hkv, d, dtype, device, layers, seq_lens, unified)
@@ -78,7 +78,7 @@ def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=1
     for (c, st) in ((ctl, stack), (ref_ctl, ref_stack)):
         for layer, p in zip(st, caches[id(c)]):
             layer.kv = p.nhd_views()
-    ws = make_uniform_workspace(n, hq, hkv, d, device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
     ctx = list(seq_lens)
     reselected = [0, 2]  # the rows of the keys-only slow step
 
