@@ -290,9 +290,10 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                    if engine.policy != "streaming" else
                    "The engine runs policy streaming, which selects nothing, so its buffers hold its sinks "
                    "only: a request can select tokens on an engine started with another policy")
-            raise SFIRequestError(f"{name}: the request's sinks + K reach {need} tokens at max_model_len "
-                                  f"{limits.max_model_len}, more than the engine's compact buffers hold "
-                                  f"({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}", name)
+            raise SFIRequestError(f"{name}: the request's compact set (sinks + K, K at most max_model_len "
+                                  f"{limits.max_model_len}) needs {need} tokens, more than the engine's compact "
+                                  f"buffers hold ({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}",
+                                  name)
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary:
         name = names.get(("boundary_trigger",)) or names.get(("policy",)) or names.get(("preset",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "

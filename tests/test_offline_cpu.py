@@ -51,7 +51,12 @@ def test_parse_native_and_openai_batch_lines():
     ('{"id": "x", "prompt": "a", "temperature": 0}', "x", "temperature: Extra inputs are not permitted"),
     ('{"custom_id": "y", "body": {"prompt": "a", "stream": true}}', "y", "streaming"),
     # one completion per line: the output keeps one, so n > 1 is refused, not cut to the first
-    ('{"id": "x", "prompt": "a", "sampling": {"n": 3}}', "x", "sampling.n > 1 is not supported"),
+    ('{"id": "x", "prompt": "a", "sampling": {"n": 3}}', "x", "sampling.n must be 1 in a batch"),
+    ('{"id": "x", "prompt": "a", "sampling": {"n": 0}}', "x", "sampling.n must be 1 in a batch (one completion per line); got 0"),
+    ('{"custom_id": "y", "body": {"prompt": "a", "n": 2}}', "y", "body.n must be 1 in a batch"),
+    # a run-batch line takes custom_id, method, url and body only: an id beside them is not dropped
+    ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "id: not a key of a run-batch line"),
+    ('{"custom_id": "y", "method": "POST", "body": {"prompt": "a"}, "extra": 1}', "y", "extra: not a key"),
     # SFI settings given in two places would be merged or one dropped: refused
     ('{"custom_id": "y", "body": {"prompt": "a", "sfi": {"sinks": 2}, "vllm_xargs": {"sfi_selected_tokens": 16}}}',
      "y", "given twice (body.sfi and body.vllm_xargs)"),
@@ -64,6 +69,7 @@ def test_parse_errors_name_the_line(text, rid, msg):
     with pytest.raises(LineError) as e:
         parse_line(text, 3)
     assert e.value.args[0] == rid and msg in e.value.args[1]
+    assert not e.value.args[1].startswith("line:")  # a check of the whole line names its fields itself
 
 
 def test_done_ids_drops_a_cut_off_last_line_and_optionally_errors(tmp_path):

@@ -63,7 +63,7 @@ class BatchLine(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.sampling.get("n", 1) != 1:
-            raise ValueError("sampling.n > 1 is not supported in a batch (one completion per line)")
+            raise ValueError(f"sampling.n must be 1 in a batch (one completion per line); got {self.sampling['n']!r}")
         extra = self.sampling.get("extra_args")
         if self.sfi is not None and isinstance(extra, dict) and "sfi" in extra:
             raise ValueError("the SFI settings are given twice (sfi and sampling.extra_args.sfi): give them once")
@@ -81,10 +81,17 @@ _OPENAI_BODY_IGNORED = {"model", "stream", "stream_options", "n", "user", "store
 _OPENAI_BODY_UNSUPPORTED = {"response_format", "tools", "tool_choice", "functions", "function_call",
                             "chat_template_kwargs", "structured_outputs"}
 _OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
+_OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}  # an OpenAI batch file's request line
 
 
 def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
+    unknown = sorted(set(data) - _OPENAI_LINE_KEYS)
+    if unknown:
+        hint = (" (a run-batch line names its request by custom_id; id belongs to the plain format, "
+                "which has no body)" if "id" in unknown else "")
+        raise ValueError(f"{', '.join(unknown)}: not a key of a run-batch line "
+                         f"({', '.join(sorted(_OPENAI_LINE_KEYS))}){hint}")
     url = data.get("url")
     if url is not None and url not in _OPENAI_URLS:
         raise ValueError(f"url {url!r}: a batch generates text ({', '.join(sorted(_OPENAI_URLS))})")
@@ -94,7 +101,7 @@ def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         raise ValueError("streaming requests are not supported in a batch")
     if body.get("n") not in (None, 1):
-        raise ValueError("n > 1 is not supported in a batch (one completion per line)")
+        raise ValueError(f"body.n must be 1 in a batch (one completion per line); got {body['n']!r}")
     unsupported = sorted(_OPENAI_BODY_UNSUPPORTED & set(body))
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)}: not supported by sfi-vllm batch (vLLM's run-batch "
@@ -148,8 +155,9 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
         if "body" in data:
             req._sampling_path = "body"
     except ValidationError as e:
-        msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg'].removeprefix('Value error, ')}"
-                        for err in e.errors())
+        # a field's error names its path; a check of the whole line names the fields itself
+        msg = "; ".join((f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "")
+                        + err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise LineError(rid, msg) from None
     except (ValueError, TypeError) as e:
         raise LineError(rid, str(e)) from None

@@ -296,8 +296,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                   max_open=args.max_open or 2 * args.max_num_seqs, retry_errors=args.retry_errors,
                   progress=not args.no_progress)
     if t["sfi_settings_unused"]:
-        print(f"sfi-vllm batch: {t['sfi_settings_unused']} requests give SFI settings; this engine does not run "
-              "SFI attention, so they ran without them", file=sys.stderr)
+        n = t["sfi_settings_unused"]
+        print(f"sfi-vllm batch: {n} {'request gives' if n == 1 else 'requests give'} SFI settings; this engine "
+              "does not run SFI attention, so they ran without them", file=sys.stderr)
     earlier = (f"; {t['earlier_errors']} of them errors of an earlier run (--retry-errors runs them again)"
                if t["earlier_errors"] else "")
     print(f"sfi-vllm batch: {t['requests']} requests written to {args.output} ({t['errors']} failed, "
@@ -455,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sfi", default=None,
                       help="JSON SFI settings merged over the demo's working set (e.g. '{\"selected_tokens\": 256}')")
     demo.add_argument("--lossless", action="store_true",
-                      help="also run the prompts in sfi.mode lossless (a second engine, about 40 s more on "
+                      help="also run the prompts in sfi.mode lossless (a second engine, about 40-50 s more on "
                            "2 cores): "
                            "SFI drafts, dense attention verifies, and the outputs are dense's")
     demo.add_argument("--sfi-replace", action="store_true",

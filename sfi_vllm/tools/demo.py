@@ -171,7 +171,7 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
                   dtype="auto" if torch.cuda.is_available() else CPU_DTYPE)
     ll = None
     if lossless:  # first, in a process of its own, so that the two engines never hold the cores together
-        say("running the prompts in sfi.mode lossless, in an engine of its own (about 40 s on 2 cores)")
+        say("running the prompts in sfi.mode lossless, in an engine of its own (about 40-50 s on 2 cores)")
         ll = run_lossless(model, prompts, max_tokens, sfi_cfg, engine)
     say("loading the vLLM engine with the SFI backend (about 30 s on 2 cores)")
     llm = LLM(model=model, attention_backend="sfi", additional_config={"sfi": sfi_cfg},
