@@ -54,10 +54,6 @@ class StepPlan:
     configs: list[SFIConfig]  # each row's SFI config (the engine's, or its request's own)
     # tokens in the cache per row, including this step's (None: read them from the metadata)
     context: list[int] | None = None
-    # ``context`` holds upper bounds, not the rows' lengths (sfi.mode lossless, a drafter pass
-    # planned before the verify's kept drafts are known): what a kernel reads is bounded by the
-    # metadata's device lengths
-    lengths_ahead: bool = False
     # the slow rows run inside a full CUDA graph (``slow_in_graph``): they attend in the fast-step
     # kernel (densely, or through their sets when keys-only), re-selected from staged queries after the step
     graph_slow: bool = False

@@ -26,23 +26,19 @@ trigger, bridge and min_gap of the lossy mode do not apply, and the reuse budget
 ``draft_reselect`` reuse_budget or rejection. :func:`plan_draft` turns the
 model step's plan and the drafter's attention metadata into each pass's plan.
 
-Lengths planned ahead (the GPU kernel path). With its padded drafter batch (the default) vLLM
-launches the drafter before its bookkeeping reads the verify's result to the host; the first
-pass's lengths say how many drafts each row kept, and reading them would make the host wait for
-the verify, with the device idle while the passes are then planned and launched. Where nothing a
-pass decides depends on that count (every row samples, re-selects at every verify, grows its
-window, keeps a window longer than its drafts and holds at least its sinks; no Quest-style row),
-the passes are planned at each row's length as if every draft was kept, an upper bound
-(``StepPlan.lengths_ahead``). The fast-step kernel reads each row up to its length on the device
-(the uniform launch's tables hold the metadata's lengths; an eager pass gathers them there). The
-re-selection's score frames are sized for the bound; the keys past the true length are scored
-``-inf`` where the fast-step kernel scores them, and scored from the verify's rejected drafts
-where the score kernel does, which changes nothing: they lie in the window, and the Selector
-ranks only the candidates before it. The new set's window starts where it would at the bound, a
-window alignment or so later, which moves those tokens from the window into the selection's
-candidates. The statistics of the cycle's passes are held and their contexts corrected once
-vLLM's bookkeeping has the kept tokens (:func:`settle_planned_lengths`). The CPU path reads its
-lengths from host tensors and plans at the true lengths.
+Lengths planned ahead (the GPU kernel path). vLLM launches the drafter before it reads the
+verify's result to the host; the first pass's lengths say how many drafts each row kept, and
+reading them would make the host wait for the verify, with the device idle while the passes are
+then planned and launched. Where nothing a pass decides depends on that count (every row samples,
+re-selects at every verify, grows its window and keeps a window longer than its drafts), the
+passes are planned at each row's length as if every draft was kept, an upper bound, and the
+device's own lengths bound what the kernels read: the re-selection scores the keys up to the true
+length (its frames are sized for the bound, the rest of each frame scored ``-inf``), and the new
+set's window starts where it would at the bound, at most ``spec_tokens`` tokens later, which
+moves those tokens from the window into the candidates of the selection. The statistics of the
+cycle's passes are held and their contexts corrected once vLLM's bookkeeping has the kept tokens
+(:func:`settle_planned_lengths`). The CPU path reads its lengths from host tensors and plans at
+the true lengths.
 """
 
 from __future__ import annotations
@@ -97,25 +93,19 @@ def record_verify_without_drafter(controller: SFIController, req_ids: list[str],
 
 def _lengths_ahead(controller: SFIController, base: StepPlan, cam: Any, n: int) -> list[int] | None:
     """The first pass's lengths as if the verify kept every draft (module doc, "Lengths planned
-    ahead"), or None where they must be read: the CPU path, vLLM drafting after its bookkeeping
-    (``disable_padded_drafter_batch``), a pass of several tokens per row, a row that samples
-    nothing, or a row whose pass would decide by the kept count (``draft_reselect`` other than
-    verify) or whose set would differ at the bound in more than its window's start (a sliding
-    window, a window no longer than its drafts, fewer tokens than sinks, a Quest-style row)."""
+    ahead"), or None where they must be read: the CPU path, a pass of several tokens per row, a
+    row that samples nothing, or a row whose pass would decide by the kept count
+    (``draft_reselect`` other than verify) or read its window at the planned length (a sliding
+    window, a window no longer than its drafts, a Quest-style row)."""
     if controller.executor is None or int(cam.query_start_loc_cpu[n]) != n:
         return None
-    spec = getattr(controller.vllm_config, "speculative_config", None)
-    if getattr(spec, "disable_padded_drafter_batch", False):
-        return None  # vLLM drafts after its bookkeeping: the lengths are known, nothing to wait for
     assert base.sampled is not None and base.drafted is not None
     limit = controller.max_model_len
     out = []
     for i in range(base.num_reqs):
         cfg = base.configs[i]
-        # the fewest tokens the pass can hold: no draft kept, the token just sampled
-        shortest = base.context[i] - base.drafted[i] + 1
         if (not base.sampled[i] or cfg.draft_reselect != "verify" or cfg.policy == "quest"
-                or cfg.slides_window or cfg.recent_window <= base.drafted[i] or shortest < cfg.sinks):
+                or cfg.slides_window or cfg.recent_window <= base.drafted[i]):
             return None
         # the model's step held the row's last token and its drafts (base.context); all kept, the
         # pass holds them and the token just sampled
@@ -171,15 +161,12 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
     assert base.sampled is not None and base.drafted is not None
     first = controller.draft_plans.get(0)
     ahead = None
-    lengths_ahead = False
     if draft_index > 0 and first is not None and first[0] is base:
         # pass j's rows are the first pass's, j tokens on (vLLM drops the rejected drafts from
         # the lengths and adds one token per pass): no read of the device's lengths
         context = [c + draft_index for c in first[1].context[:base.num_reqs]]
-        lengths_ahead = first[1].lengths_ahead
     elif draft_index == 0 and (ahead := _lengths_ahead(controller, base, cam, n)) is not None:
         context = list(ahead)  # module doc, "Lengths planned ahead"
-        lengths_ahead = True
         controller.stats.defer_contexts()
     else:
         context = [int(x) for x in cam.seq_lens[:base.num_reqs].tolist()]
@@ -260,7 +247,7 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
         num_reqs=base.num_reqs, req_ids=base.req_ids, slots=base.slots, generations=base.generations,
         modes=modes, reasons=reasons, refresh_all=[True] * base.num_reqs, slow_counts=[0] * base.num_reqs,
         configs=base.configs, context=context, query_tokens=query_tokens, kv_write_tokens=kv_write_tokens,
-        keys_only=keys_only if any(keys_only) else None, lengths_ahead=lengths_ahead,
+        keys_only=keys_only if any(keys_only) else None,
     )
     slow = plan.rows(StepMode.SLOW)
     if one_token and slow and controller.executor is not None:

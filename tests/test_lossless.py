@@ -225,7 +225,7 @@ class _Unread:
         raise AssertionError("the first pass read the device's lengths")
 
 
-def _verify_cycle(ahead: bool, over: dict | None = None, padded: bool = True):
+def _verify_cycle(ahead: bool, over: dict | None = None):
     """One verify cycle of two rows that drafted 4 tokens each (a kept 1, b all 4): the first
     drafter pass, one more pass, vLLM's bookkeeping of the kept tokens, the step's end. ``ahead``:
     as on the GPU kernel path (an executor), where the first pass may plan its lengths ahead."""
@@ -236,8 +236,6 @@ def _verify_cycle(ahead: bool, over: dict | None = None, padded: bool = True):
     if ahead:
         ctl.executor = SimpleNamespace(plan=lambda plan, slow: None, finish=lambda layers: None,
                                        graph_runs=lambda: {})
-    if not padded:  # vLLM drafts after its bookkeeping
-        ctl.vllm_config.speculative_config = SimpleNamespace(disable_padded_drafter_batch=True)
     ids = ["a", "b"]
     z = torch.zeros(2, dtype=torch.long)
     ctl.plan_step(ids, np.array([100, 300]), np.array([0, 0]), [100, 300], z)
@@ -269,43 +267,13 @@ def test_the_first_pass_plans_its_lengths_ahead_on_the_kernel_path_and_settles_i
     assert ahead.stats._steps == read.stats._steps and ahead.stats._fast_sums == read.stats._fast_sums
 
 
-@pytest.mark.parametrize("over, padded", [
-    ({"draft_reselect": "reuse_budget"}, True), ({"draft_reselect": "rejection"}, True),
-    ({"window_mode": "slide"}, True), ({"recent_window": 4}, True), ({"sinks": 104}, True),
-    ({"policy": "quest"}, True), ({}, False)])
-def test_the_first_pass_reads_its_lengths_where_a_decision_depends_on_them(over, padded):
+@pytest.mark.parametrize("over", [{"draft_reselect": "reuse_budget"}, {"draft_reselect": "rejection"},
+                                  {"window_mode": "slide"}, {"recent_window": 4}])
+def test_the_first_pass_reads_its_lengths_where_a_decision_depends_on_them(over):
     """Re-selecting by the kept count (reuse_budget, rejection), a sliding window (its start follows
-    the length), a window no longer than the drafts, sinks that the shortest possible row would
-    not fill (a had 101 tokens and 4 drafts: at least 102 in the pass), Quest-style rows, or vLLM
-    drafting after its bookkeeping: the lengths are read, as on the CPU."""
+    the length) or a window no longer than the drafts: the lengths are read, as on the CPU."""
     with pytest.raises(AssertionError, match="read the device's lengths"):
-        _verify_cycle(ahead=True, over=over, padded=padded)
-    if over.get("sinks"):  # one sink fewer and the shortest row holds them: planned ahead
-        _verify_cycle(ahead=True, over={"sinks": over["sinks"] - 2})
-
-
-def test_an_eager_pass_planned_ahead_reads_each_row_to_its_device_length():
-    """A pass planned ahead that runs eagerly (not as the uniform launch, whose tables hold the
-    metadata's lengths): its fast-step tables take each row's length from the device, not the
-    host's bound, so the kernel reads no token past a row's true length."""
-    from sfi_vllm.backends.common import attach_fast_tables, make_step
-
-    ctl, _, _ = _verify_cycle(ahead=True)  # the rows have sets now
-    z = torch.zeros(2, dtype=torch.long)
-    ctl.plan_step(["a", "b"], np.array([5, 5]), np.array([110, 310]), [100, 300], z)
-    # a kept 2 of its 4 drafts (115 - 4 + 2 tokens), b all of them
-    cam = _CAM(num_reqs=2, seq_lens=torch.tensor([113, 316], dtype=torch.int32),
-               query_start_loc_cpu=torch.tensor([0, 1, 2]), slot_mapping=torch.tensor([13, 26]),
-               block_table_tensor=torch.zeros(2, 32, dtype=torch.int32))
-    plan = plan_draft(ctl, cam, 0)
-    assert plan.lengths_ahead and plan.context == [116, 316] and plan.keys_only == [True, True]
-    ctl.buffers = [SimpleNamespace(window_start=[0] * 8, length=[0] * 8)]
-    step = make_step(plan, cam, lambda sub: None)
-    attach_fast_tables(step, cam, ctl)
-    assert step.fast_tables.seq_lens.tolist() == [113, 316]
-    later = plan_draft(ctl, _CAM(num_reqs=2, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1, 2]),
-                                 slot_mapping=torch.tensor([14, 27])), 1)
-    assert later.lengths_ahead  # the later passes' lengths follow the first's: bounds too
+        _verify_cycle(ahead=True, over=over)
 
 
 @pytest.mark.parametrize("slow_attention", ["keys", "dense"])

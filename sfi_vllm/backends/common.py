@@ -273,16 +273,10 @@ def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> No
     # each row 16-byte aligned: the fast-step kernel compiles one variant whatever the row count
     tables = rows_to_device([slots, min_ws, contexts, tokens], dev)
     idx = _to_device(entry_rows, dev)
-    seq_lens = tables[2]
-    if plan.lengths_ahead:
-        # the host's lengths are upper bounds (one token per row): the kernel reads each row up to
-        # its length on the device, gathered there without a wait
-        assert len(entry_rows) == len(rows), "lengths planned ahead: one token per row"
-        seq_lens = cam.seq_lens[idx].to(torch.int32)
     padding = [u for r in rows if step.row_end is not None
                for u in range(step.row_token[r] + 1, step.row_end[r])]
     step.fast_tables = FastRows(rows=len(entry_rows), slot=tables[0], min_window_start=tables[1],
-                                seq_lens=seq_lens, block_table=cam.block_table_tensor[idx].to(torch.int32),
+                                seq_lens=tables[2], block_table=cam.block_table_tensor[idx].to(torch.int32),
                                 token=tables[3].long(), padding=_to_device(padding, dev) if padding else None)
     # keys-only slow rows attend here too, but count as slow steps
     fast = [j for j, r in enumerate(entry_rows) if plan.modes[r] == StepMode.FAST]

@@ -196,8 +196,9 @@ def speculative_problems(cfg, vllm_config) -> list[str]:
                             "experimental.synthetic_acceptance true")
     scheduler = getattr(vllm_config, "scheduler_config", None)
     if getattr(scheduler, "async_scheduling", False):
-        # vLLM leaves it off for draft_model unless asked, and this pairing has not been checked
-        # against dense outputs
+        # vLLM leaves it off for draft_model unless asked; the drafter's first pass reads the rows'
+        # lengths from the device each verify cycle, and this pairing has not been checked against
+        # dense outputs
         problems.append("sfi.mode lossless runs without async scheduling (not validated with it); "
                         "drop --async-scheduling (vLLM leaves it off for draft_model by default)")
     draft_cache = getattr(spec, "kv_cache_dtype", None)
