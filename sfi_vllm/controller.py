@@ -481,12 +481,6 @@ class SFIController:
     def end_step(self) -> None:
         """After the step's forward: the executor finishes the step (the kernel path's staged
         per-step refresh), then the plan is forgotten."""
-        if self.stats.contexts_deferred:
-            # a verify step's drafter passes planned ahead whose bookkeeping did not settle them (it
-            # settles every step that runs to its end): their statistics at the planned contexts
-            logger.warning("sfi-vllm: a drafter's statistics were recorded at their planned lengths "
-                           "(vLLM's bookkeeping did not report the kept drafts)")
-            self.stats.settle_contexts({})
         if self.executor is not None:
             self.executor.finish(self.layers)
             self.stats.note_graph_runs("selection", self.executor.graph_runs())

@@ -25,20 +25,6 @@ So by default a request's drafts read a selection made at its last verified toke
 trigger, bridge and min_gap of the lossy mode do not apply, and the reuse budget only with
 ``draft_reselect`` reuse_budget or rejection. :func:`plan_draft` turns the
 model step's plan and the drafter's attention metadata into each pass's plan.
-
-Lengths planned ahead (the GPU kernel path). vLLM launches the drafter before it reads the
-verify's result to the host; the first pass's lengths say how many drafts each row kept, and
-reading them would make the host wait for the verify, with the device idle while the passes are
-then planned and launched. Where nothing a pass decides depends on that count (every row samples,
-re-selects at every verify, grows its window and keeps a window longer than its drafts), the
-passes are planned at each row's length as if every draft was kept, an upper bound, and the
-device's own lengths bound what the kernels read: the re-selection scores the keys up to the true
-length (its frames are sized for the bound, the rest of each frame scored ``-inf``), and the new
-set's window starts where it would at the bound, at most ``spec_tokens`` tokens later, which
-moves those tokens from the window into the candidates of the selection. The statistics of the
-cycle's passes are held and their contexts corrected once vLLM's bookkeeping has the kept tokens
-(:func:`settle_planned_lengths`). The CPU path reads its lengths from host tensors and plans at
-the true lengths.
 """
 
 from __future__ import annotations
@@ -91,55 +77,6 @@ def record_verify_without_drafter(controller: SFIController, req_ids: list[str],
             controller.verified_since_selection[base.slots[i]] = since + kept
 
 
-def _lengths_ahead(controller: SFIController, base: StepPlan, cam: Any, n: int) -> list[int] | None:
-    """The first pass's lengths as if the verify kept every draft (module doc, "Lengths planned
-    ahead"), or None where they must be read: the CPU path, a pass of several tokens per row, a
-    row that samples nothing, or a row whose pass would decide by the kept count
-    (``draft_reselect`` other than verify) or read its window at the planned length (a sliding
-    window, a window no longer than its drafts, a Quest-style row)."""
-    if controller.executor is None or int(cam.query_start_loc_cpu[n]) != n:
-        return None
-    assert base.sampled is not None and base.drafted is not None
-    limit = controller.max_model_len
-    out = []
-    for i in range(base.num_reqs):
-        cfg = base.configs[i]
-        if (not base.sampled[i] or cfg.draft_reselect != "verify" or cfg.policy == "quest"
-                or cfg.slides_window or cfg.recent_window <= base.drafted[i]):
-            return None
-        # the model's step held the row's last token and its drafts (base.context); all kept, the
-        # pass holds them and the token just sampled
-        out.append(base.context[i] + 1 if limit is None else min(base.context[i] + 1, int(limit)))
-    return out
-
-
-def settle_planned_lengths(controller: SFIController, req_ids: list[str], sampled: list[list[int]]) -> None:
-    """After vLLM's bookkeeping of a verify step whose drafter passes were planned ahead: record
-    each row's accepted drafts (``sampled[j]``: what row ``req_ids[j]`` kept, the model's own token
-    last) and the passes' statistics at their true contexts."""
-    stats = controller.stats
-    base = controller.current_plan
-    first = controller.draft_plans.get(0)
-    if not stats.contexts_deferred:
-        return
-    overshoot: dict[str, int] = {}
-    if base is not None and first is not None and first[0] is base and base.drafted is not None:
-        index = {r: j for j, r in enumerate(req_ids)}
-        limit = controller.max_model_len
-        for i, rid in enumerate(base.req_ids):
-            j = index.get(rid)
-            if j is None or j >= len(sampled) or not sampled[j]:
-                continue
-            verified = len(sampled[j])  # the accepted drafts and the model's own token
-            true = base.context[i] - base.drafted[i] + verified
-            if limit is not None:
-                true = min(true, int(limit))
-            overshoot[rid] = first[1].context[i] - true
-            if base.drafted[i] > 0:
-                stats.record_accepted(rid, verified - 1)
-    stats.settle_contexts(overshoot)
-
-
 def _keeps_selection(cfg: Any, since: int, verified: int, drafted: int) -> bool:
     """Whether a row's first drafter pass keeps the compact sets of its last selection (a fast
     step) instead of re-selecting: never at a first selection (``since`` -1) or once
@@ -160,14 +97,10 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
                            f"{base.num_reqs}; the runner hooks are out of step with this vLLM version")
     assert base.sampled is not None and base.drafted is not None
     first = controller.draft_plans.get(0)
-    ahead = None
     if draft_index > 0 and first is not None and first[0] is base:
         # pass j's rows are the first pass's, j tokens on (vLLM drops the rejected drafts from
         # the lengths and adds one token per pass): no read of the device's lengths
         context = [c + draft_index for c in first[1].context[:base.num_reqs]]
-    elif draft_index == 0 and (ahead := _lengths_ahead(controller, base, cam, n)) is not None:
-        context = list(ahead)  # module doc, "Lengths planned ahead"
-        controller.stats.defer_contexts()
     else:
         context = [int(x) for x in cam.seq_lens[:base.num_reqs].tolist()]
     modes = [int(StepMode.PREFILL)] * base.num_reqs
@@ -208,9 +141,8 @@ def _plan_pass(controller: SFIController, base: StepPlan, cam: Any, draft_index:
                 if kv_write_tokens is not None:
                     kv_write_tokens.append(last)
                 verified = last - start
-            # verified: the accepted drafts and the token just sampled (planned ahead: the bound,
-            # every draft kept; settle_planned_lengths records the true count)
-            if base.drafted[i] > 0 and ahead is None:  # the row held drafts
+            # verified: the accepted drafts and the token just sampled
+            if base.drafted[i] > 0:  # the row held drafts
                 stats.record_accepted(base.req_ids[i], verified - 1)
             cfg = base.configs[i]
             slot = base.slots[i]

@@ -146,8 +146,6 @@ class StatsRegistry:
         self._steps: Counter = Counter()
         self._fast_sums = [0, 0, 0]  # attended, context, evaluations
         self._graph_totals: dict[str, dict[str, int]] = {}  # note_graph_runs' last totals
-        # record_step / record_fast_layer calls held until their contexts are known (defer_contexts)
-        self._deferred: list[tuple] | None = None
         self.active: dict[str, RequestStats] = {}
         self.finished: OrderedDict[str, RequestStats] = OrderedDict()
         self._finished_events = 0  # slow-step events over self.finished
@@ -178,37 +176,10 @@ class StatsRegistry:
             st = self.active[req_id] = RequestStats(req_id)
         return st
 
-    def defer_contexts(self) -> None:
-        """Hold the steps and fast layers recorded from now on: their contexts are upper bounds
-        until :meth:`settle_contexts` says by how much each request's overshoot (sfi.mode
-        lossless: a first drafter pass planned before the verify's kept drafts are known)."""
-        if self._deferred is None:
-            self._deferred = []
-
-    @property
-    def contexts_deferred(self) -> bool:
-        return self._deferred is not None
-
-    def settle_contexts(self, overshoot: dict[str, int]) -> None:
-        """Record what :meth:`defer_contexts` held, each context (and a fast layer's attended
-        tokens, which count the context's window) less its request's ``overshoot`` (0 if absent)."""
-        held, self._deferred = self._deferred or [], None
-        for kind, req_id, *args in held:
-            d = overshoot.get(req_id, 0)
-            if kind == "step":
-                mode, reason, context_len, prompt_len = args
-                self.record_step(req_id, mode, reason, context_len - d, prompt_len)
-            else:
-                attended, context_len = args
-                self.record_fast_layer(req_id, attended - d, context_len - d)
-
     def record_step(self, req_id: str, mode: int, reason: int, context_len: int,
                     prompt_len: int | None = None) -> None:
         """One step of the request. A prefill chunk records ``prompt_len``, the prompt's length
         (None: the longest context a prefill chunk reached)."""
-        if self._deferred is not None:
-            self._deferred.append(("step", req_id, mode, reason, context_len, prompt_len))
-            return
         st = self.get(req_id)
         if mode == StepMode.PREFILL:
             st.prefill_steps += 1
@@ -246,9 +217,6 @@ class StatsRegistry:
         self._steps["accepted", None] += accepted
 
     def record_fast_layer(self, req_id: str, attended: int, context_len: int) -> None:
-        if self._deferred is not None:
-            self._deferred.append(("fast", req_id, attended, context_len))
-            return
         st = self.get(req_id)
         st.fast_attended_tokens += attended
         st.fast_context_tokens += context_len

@@ -218,64 +218,6 @@ def test_a_one_token_first_pass_counts_the_kept_drafts_from_its_lengths():
     assert plan1.context[:2] == [105, 308] and plan1.kv_write_tokens is None
 
 
-class _Unread:
-    """Device lengths that a first pass planned ahead must not read."""
-
-    def __getitem__(self, key):
-        raise AssertionError("the first pass read the device's lengths")
-
-
-def _verify_cycle(ahead: bool, over: dict | None = None):
-    """One verify cycle of two rows that drafted 4 tokens each (a kept 1, b all 4): the first
-    drafter pass, one more pass, vLLM's bookkeeping of the kept tokens, the step's end. ``ahead``:
-    as on the GPU kernel path (an executor), where the first pass may plan its lengths ahead."""
-    from sfi_vllm.lossless import settle_planned_lengths
-
-    cfg = {**LOSSLESS, **(over or {})}
-    ctl = SFIController(build_config({**cfg, "boundary_token_ids": [7]}), fake_vllm_config(cfg))
-    if ahead:
-        ctl.executor = SimpleNamespace(plan=lambda plan, slow: None, finish=lambda layers: None,
-                                       graph_runs=lambda: {})
-    ids = ["a", "b"]
-    z = torch.zeros(2, dtype=torch.long)
-    ctl.plan_step(ids, np.array([100, 300]), np.array([0, 0]), [100, 300], z)
-    ctl.plan_step(ids, np.array([5, 5]), np.array([101, 301]), [100, 300], z)
-    cam = _CAM(num_reqs=2, seq_lens=_Unread() if ahead else torch.tensor([104, 307]),
-               query_start_loc_cpu=torch.tensor([0, 1, 2]), slot_mapping=torch.tensor([13, 26]))
-    first = plan_draft(ctl, cam, 0)
-    later = plan_draft(ctl, _CAM(num_reqs=2, seq_lens=None, query_start_loc_cpu=torch.tensor([0, 1, 2]),
-                                 slot_mapping=torch.tensor([14, 27])), 1)
-    settle_planned_lengths(ctl, ids, [[5, 6], [5, 6, 7, 8, 9]])  # a: 1 draft + its own token; b: 4 + 1
-    ctl.end_step()
-    return ctl, first, later
-
-
-def test_the_first_pass_plans_its_lengths_ahead_on_the_kernel_path_and_settles_its_statistics():
-    """Planned ahead (no read of the device's lengths, which would wait for the verify): each row
-    at its length with every draft kept, the passes as they would be otherwise (every row
-    re-selects), and once the bookkeeping has the kept tokens the statistics are those of the
-    true lengths, the accepted drafts included."""
-    read, first_r, later_r = _verify_cycle(ahead=False)
-    ahead, first_a, later_a = _verify_cycle(ahead=True)
-    assert first_r.context == [104, 307] and later_r.context == [105, 308]
-    assert first_a.context == [107, 307] and later_a.context == [108, 308]  # a's bound: 3 drafts over
-    for a, r in ((first_a, first_r), (later_a, later_r)):
-        assert (a.modes, a.reasons, a.keys_only) == (r.modes, r.reasons, r.keys_only)
-    for rid in ("a", "b"):
-        assert ahead.stats.get(rid).to_dict() == read.stats.get(rid).to_dict()
-    assert (ahead.stats.get("a").accepted_tokens, ahead.stats.get("b").accepted_tokens) == (1, 4)
-    assert ahead.stats._steps == read.stats._steps and ahead.stats._fast_sums == read.stats._fast_sums
-
-
-@pytest.mark.parametrize("over", [{"draft_reselect": "reuse_budget"}, {"draft_reselect": "rejection"},
-                                  {"window_mode": "slide"}, {"recent_window": 4}])
-def test_the_first_pass_reads_its_lengths_where_a_decision_depends_on_them(over):
-    """Re-selecting by the kept count (reuse_budget, rejection), a sliding window (its start follows
-    the length) or a window no longer than the drafts: the lengths are read, as on the CPU."""
-    with pytest.raises(AssertionError, match="read the device's lengths"):
-        _verify_cycle(ahead=True, over=over)
-
-
 @pytest.mark.parametrize("slow_attention", ["keys", "dense"])
 def test_a_one_token_first_pass_reselects_from_the_keys_once_a_row_has_a_set(slow_attention):
     """slow_attention keys: the first pass's re-selecting rows draft through the set they have and

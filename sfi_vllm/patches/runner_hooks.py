@@ -165,7 +165,7 @@ def install() -> None:
     orig_fits = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
     orig_bookkeeping = getattr(GPUModelRunner, "_bookkeeping_sync", None)
     if orig_fits is not None and orig_bookkeeping is not None:
-        from sfi_vllm.lossless import record_verify_without_drafter, settle_planned_lengths
+        from sfi_vllm.lossless import record_verify_without_drafter
 
         @functools.wraps(orig_fits)
         def _input_fits_in_drafter(self, *args, **kwargs):
@@ -178,12 +178,8 @@ def install() -> None:
             out = orig_bookkeeping(self, *args, **kwargs)
             skipped, self._sfi_drafter_skipped = getattr(self, "_sfi_drafter_skipped", False), False
             ctl = current_controller()
-            if ctl is not None and ctl.lossless:
-                # the tokens each row kept, now on the host: the drafter's statistics of this step
-                if skipped:
-                    record_verify_without_drafter(ctl, out[4], out[2])
-                else:
-                    settle_planned_lengths(ctl, out[4], out[2])
+            if skipped and ctl is not None and ctl.lossless:
+                record_verify_without_drafter(ctl, out[4], out[2])
             return out
 
         GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
