@@ -642,6 +642,8 @@ def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, s
             allowed = ""
         got = f"; got {e['input']!r}" if "input" in e and not isinstance(e["input"], dict) else ""
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "int_parsing_size":  # a number too large for an integer: not a string's fault
+            msg = "Input should be an integer"
         lines.append(f"  {name}: {msg}{allowed}{got}")
     return "invalid SFI configuration:\n" + "\n".join(lines)
 

@@ -50,6 +50,8 @@ def test_fraction_budget_with_floor_and_cap():
         ({"experimental": {"selector_top_k": "cub"}}, "sfi.experimental.selector_top_k"),
         ({"selector_top_k": "triton"}, "sfi.selector_top_k moved to sfi.experimental.selector_top_k"),
         ({"boundary_token_ids": [13, -1]}, "token ids are 0 or more; got [13, -1]"),
+        # a number too large for an integer is not called a string (pydantic's own wording)
+        ({"selected_tokens": 1e30}, "sfi.selected_tokens: Input should be an integer (allowed: 0 <= value"),
     ],
 )
 def test_bad_values_name_the_field(bad, needle):
