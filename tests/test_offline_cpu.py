@@ -41,6 +41,10 @@ def test_parse_native_and_openai_batch_lines():
     with pytest.raises(LineError) as e:
         parse_line(json.dumps({"custom_id": "c3", "body": {"prompt": "a", "vllm_xargs": {"sfi_polcy": 1}}}), 4)
     assert e.value.args[0] == "c3" and "sfi_polcy" in e.value.args[1]
+    # keys beside the request's are ignored, as vLLM's run-batch ignores them
+    rid, req = parse_line(json.dumps({"custom_id": "c4", "method": "POST", "url": "/v1/completions",
+                                      "body": {"prompt": "a"}, "metadata": {"k": 1}}), 5)
+    assert rid == "c4" and req.prompt == "a"
 
 
 @pytest.mark.parametrize("text, rid, msg", [
@@ -54,9 +58,9 @@ def test_parse_native_and_openai_batch_lines():
     ('{"id": "x", "prompt": "a", "sampling": {"n": 3}}', "x", "sampling.n must be 1 in a batch"),
     ('{"id": "x", "prompt": "a", "sampling": {"n": 0}}', "x", "sampling.n must be 1 in a batch (one completion per line); got 0"),
     ('{"custom_id": "y", "body": {"prompt": "a", "n": 2}}', "y", "body.n must be 1 in a batch"),
-    # a run-batch line takes custom_id, method, url and body only: an id beside them is not dropped
-    ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "id: not a key of a run-batch line"),
-    ('{"custom_id": "y", "method": "POST", "body": {"prompt": "a"}, "extra": 1}', "y", "extra: not a key"),
+    # a run-batch line names its request by custom_id: an id beside it (which would name the output
+    # record) is an error of the line
+    ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "names its request by custom_id"),
     # SFI settings given in two places would be merged or one dropped: refused
     ('{"custom_id": "y", "body": {"prompt": "a", "sfi": {"sinks": 2}, "vllm_xargs": {"sfi_selected_tokens": 16}}}',
      "y", "given twice (body.sfi and body.vllm_xargs)"),

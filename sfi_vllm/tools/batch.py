@@ -10,7 +10,7 @@ Every input line is one request, in either form:
 * a line of vLLM's ``run-batch`` / OpenAI batch file: ``{"custom_id": "a", "url":
   "/v1/chat/completions", "body": {"messages": [...], "max_tokens": 64, ...}}``; the body's
   sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs``: ``sfi`` or flat ``sfi_*``
-  keys, not both places) as the SFI settings. ``n`` above 1 is refused (one completion per line).
+  keys, not both places) as the SFI settings; ``n`` must be 1 (one completion per line).
 
 An engine with dense attention runs every line without its SFI settings (as a dense server ignores
 them), so the same file gives the dense reference.
@@ -81,17 +81,13 @@ _OPENAI_BODY_IGNORED = {"model", "stream", "stream_options", "n", "user", "store
 _OPENAI_BODY_UNSUPPORTED = {"response_format", "tools", "tool_choice", "functions", "function_call",
                             "chat_template_kwargs", "structured_outputs"}
 _OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
-_OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}  # an OpenAI batch file's request line
 
 
 def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
-    unknown = sorted(set(data) - _OPENAI_LINE_KEYS)
-    if unknown:
-        hint = (" (a run-batch line names its request by custom_id; id belongs to the plain format, "
-                "which has no body)" if "id" in unknown else "")
-        raise ValueError(f"{', '.join(unknown)}: not a key of a run-batch line "
-                         f"({', '.join(sorted(_OPENAI_LINE_KEYS))}){hint}")
+    if "id" in data:  # other keys beside the request's are ignored, as vLLM's run-batch does
+        raise ValueError("id: a run-batch line (one with a body) names its request by custom_id; "
+                         "id belongs to the plain format")
     url = data.get("url")
     if url is not None and url not in _OPENAI_URLS:
         raise ValueError(f"url {url!r}: a batch generates text ({', '.join(sorted(_OPENAI_URLS))})")

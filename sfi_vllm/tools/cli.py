@@ -298,7 +298,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     if t["sfi_settings_unused"]:
         n = t["sfi_settings_unused"]
         print(f"sfi-vllm batch: {n} {'request gives' if n == 1 else 'requests give'} SFI settings; this engine "
-              "does not run SFI attention, so they ran without them", file=sys.stderr)
+              f"does not run SFI attention, so {'it' if n == 1 else 'they'} ran without them", file=sys.stderr)
     earlier = (f"; {t['earlier_errors']} of them errors of an earlier run (--retry-errors runs them again)"
                if t["earlier_errors"] else "")
     print(f"sfi-vllm batch: {t['requests']} requests written to {args.output} ({t['errors']} failed, "
