@@ -45,6 +45,7 @@ def test_parse_native_and_openai_batch_lines():
     rid, req = parse_line(json.dumps({"custom_id": "c4", "method": "POST", "url": "/v1/completions",
                                       "body": {"prompt": "a"}, "metadata": {"k": 1}}), 5)
     assert rid == "c4" and req.prompt == "a"
+    assert parse_line(json.dumps({"id": "i5", "body": {"prompt": "a"}}), 6)[0] == "i5"  # id alone names it
 
 
 @pytest.mark.parametrize("text, rid, msg", [
@@ -58,9 +59,9 @@ def test_parse_native_and_openai_batch_lines():
     ('{"id": "x", "prompt": "a", "sampling": {"n": 3}}', "x", "sampling.n must be 1 in a batch"),
     ('{"id": "x", "prompt": "a", "sampling": {"n": 0}}', "x", "sampling.n must be 1 in a batch (one completion per line); got 0"),
     ('{"custom_id": "y", "body": {"prompt": "a", "n": 2}}', "y", "body.n must be 1 in a batch"),
-    # a run-batch line names its request by custom_id: an id beside it (which would name the output
-    # record) is an error of the line
-    ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "names its request by custom_id"),
+    # a run-batch line names its request by custom_id: an id beside it would name the output record
+    # instead, so the two together are an error of the line
+    ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "id and custom_id: give one"),
     # SFI settings given in two places would be merged or one dropped: refused
     ('{"custom_id": "y", "body": {"prompt": "a", "sfi": {"sinks": 2}, "vllm_xargs": {"sfi_selected_tokens": 16}}}',
      "y", "given twice (body.sfi and body.vllm_xargs)"),

@@ -85,9 +85,8 @@ _OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
 
 def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
-    if "id" in data:  # other keys beside the request's are ignored, as vLLM's run-batch does
-        raise ValueError("id: a run-batch line (one with a body) names its request by custom_id; "
-                         "id belongs to the plain format")
+    if "id" in data and "custom_id" in data:  # other extra keys are ignored, as vLLM's run-batch does
+        raise ValueError("id and custom_id: give one (a run-batch line names its request by custom_id)")
     url = data.get("url")
     if url is not None and url not in _OPENAI_URLS:
         raise ValueError(f"url {url!r}: a batch generates text ({', '.join(sorted(_OPENAI_URLS))})")
