@@ -322,14 +322,22 @@ def default_num_splits(rows: int, kv_heads: int, max_keys: int, target_programs:
     return 1 << (n.bit_length() - 1)
 
 
-def uniform_num_splits(rows: int, kv_heads: int, target_programs: int = 528, one_wave: bool = False) -> int:
+# Programs a uniform launch aims for: 4 per SM of a 132-SM GPU (H100 SXM, H200). Triton's
+# interpreter, which runs the programs one after another on the CPU, is given fewer by the kernel
+# tests (tests/kernels/conftest.py), which still leaves several splits per row.
+UNIFORM_TARGET_PROGRAMS = 528
+
+
+def uniform_num_splits(rows: int, kv_heads: int, target_programs: int | None = None, one_wave: bool = False) -> int:
     """Splits for a CUDA-graph batch: a function of the batch shape only (contexts change from
     step to step while the graph stays fixed); splits past a row's keys exit at once. By default
-    the smallest count whose programs (rows x KV heads x splits) reach ``target_programs``;
-    ``one_wave``: the largest count whose programs stay within it (528: 132 SMs x 4 programs), so
-    that on a 132-SM GPU no program waits for a second wave. At the same ``target_programs`` never
-    more than the default, so a workspace sized by :func:`uniform_workspace_numel` (the default
-    target) holds either."""
+    the smallest count whose programs (rows x KV heads x splits) reach ``target_programs``
+    (default :data:`UNIFORM_TARGET_PROGRAMS`); ``one_wave``: the largest count whose programs stay
+    within it (528: 132 SMs x 4 programs), so that on a 132-SM GPU no program waits for a second
+    wave. At the same ``target_programs`` never more than the default, so a workspace sized by
+    :func:`uniform_workspace_numel` (the default target) holds either."""
+    if target_programs is None:
+        target_programs = UNIFORM_TARGET_PROGRAMS
     programs = max(1, rows * kv_heads)
     n = target_programs // programs if one_wave else triton.cdiv(target_programs, programs)
     return int(max(1, min(64, n)))

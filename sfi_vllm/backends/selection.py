@@ -63,6 +63,7 @@ def top_k_function(kind: str, page_size: int = 0):
     return top_k_positions
 
 
+# read at each use: the kernel tests lower it for Triton's interpreter (tests/kernels/conftest.py)
 WIDTH_BUCKET = 2048
 MAX_GRAPHS = 4
 CAPTURE_AFTER = 3

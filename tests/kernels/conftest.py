@@ -2,6 +2,7 @@
 float32/16) run on the CPU in Triton's interpreter and are skipped where CUDA is; ``gpu`` cases
 (the full shapes, bf16/fp16) need CUDA and are skipped elsewhere (tests/conftest.py)."""
 
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -11,6 +12,10 @@ import pytest
 import torch
 
 INTERPRET = not torch.cuda.is_available()
+# what the interpreter cases' uniform fast-step launches aim for (sfi_vllm.kernels.fast_decode.UNIFORM_TARGET_PROGRAMS)
+INTERPRETER_TARGET_PROGRAMS = 48
+# the interpreter cases' slow-step frame rounding (sfi_vllm.backends.selection.WIDTH_BUCKET)
+INTERPRETER_WIDTH_BUCKET = 512
 
 
 def _import_triton_interpreted() -> str | None:
@@ -45,12 +50,37 @@ def _import_triton_interpreted() -> str | None:
 NOT_INTERPRETED = _import_triton_interpreted() if INTERPRET else None
 
 
+def _interpreter_without_overflow_checks(monkeypatch) -> None:
+    """Triton's interpreter checks every integer add, sub and mul for int32 overflow
+    (``sanitize_overflow``, an option the GPU compiler applies only in debug builds), which takes
+    a third of the interpreter's time in these tests. At the interpreter cases' shapes (hundreds of
+    tokens) no index comes near 2**31, so the checks can find nothing; the kernels index the paged
+    caches in int64 where the full shapes need it. Left on where Triton has no such option."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(options, sanitize_overflow=False))
+
+
 @pytest.fixture(autouse=True)
 def _triton_interpreter(request, monkeypatch):
     if INTERPRET and request.node.get_closest_marker("interpreter"):
         if NOT_INTERPRETED:  # a wrong import order must not pass as a skip
             pytest.fail(NOT_INTERPRETED)
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # read again while a kernel runs; unset after the test
+        _interpreter_without_overflow_checks(monkeypatch)
+        # uniform launches: 48 programs instead of a 132-SM GPU's 528 (4 splits at 4 rows of 3 KV
+        # heads instead of 44, most of which would find no keys at these contexts)
+        from sfi_vllm.kernels import fast_decode
+
+        monkeypatch.setattr(fast_decode, "UNIFORM_TARGET_PROGRAMS", INTERPRETER_TARGET_PROGRAMS)
+        # slow-step frames in steps of 512 tokens instead of 2048: the interpreter cases' contexts
+        # are a few hundred tokens, and every position of a frame is scored
+        from sfi_vllm.backends import selection
+
+        monkeypatch.setattr(selection, "WIDTH_BUCKET", INTERPRETER_WIDTH_BUCKET)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -186,6 +186,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     logits budget (1: one layer per Selector call)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_tables
+    from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
     from sfi_vllm.compact import RowGeometry
     from sfi_vllm.tools.policies import policy_overrides
@@ -197,8 +198,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens)),
             "slow_attention": "keys" if keys else "dense"}
     # fused: room for the step's frames (one group: every row gets the largest context rounded up
-    # to 2048) and no more
-    tokens = n * -(-max(seq_lens) // 2048) * 2048 if fused else 0
+    # to the frame bucket) and no more
+    tokens = n * SlowStepSelection.frame_width(max(seq_lens)) if fused else 0
     (ref_ctl, ctl), stacks = refresh_stacks([with_top_k({**base, "slow_refresh": "per_layer"}, "torch"),
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens,
@@ -457,6 +458,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import FastRows, SFIStep, attach_fast_tables, make_step
     from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
+    from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers
     from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
     from sfi_vllm.tools.policies import policy_overrides
@@ -466,7 +468,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     n = len(seq_lens)
     base = {"boundary_token_ids": [7], "min_gap": 0, **policy_overrides("sfi", retention, max(seq_lens)),
             "slow_attention": "keys" if keys else "dense"}
-    tokens = n * -(-max(seq_lens) // 2048) * 2048
+    tokens = n * SlowStepSelection.frame_width(max(seq_lens))
     (ref_ctl, ctl), stacks = refresh_stacks([with_top_k({**base, "slow_refresh": "per_layer"}, "torch"),
                                              {**with_top_k(base, top_k), "mode": "lossless", "slow_refresh": "per_step",
                                               "slow_in_graph": True, "fused_scores_tokens": tokens}],
