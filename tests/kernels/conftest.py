@@ -51,11 +51,11 @@ NOT_INTERPRETED = _import_triton_interpreted() if INTERPRET else None
 
 
 def _interpreter_without_overflow_checks(monkeypatch) -> None:
-    """Triton's interpreter checks every integer add, sub and mul for int32 overflow
-    (``sanitize_overflow``, an option the GPU compiler applies only in debug builds), which takes
-    a third of the interpreter's time in these tests. At the interpreter cases' shapes (hundreds of
-    tokens) no index comes near 2**31, so the checks can find nothing; the kernels index the paged
-    caches in int64 where the full shapes need it. Left on where Triton has no such option."""
+    """Triton's interpreter computes an overflow check for every add, sub and mul of integers
+    narrower than 64 bits (``sanitize_overflow``) but, as the GPU compiler, reports a failed one
+    only with ``debug``, which its options leave off (Triton 3.9): the checks find nothing here and
+    took up to a third of the interpreter's time in these tests. Left on where Triton has no such
+    option."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
