@@ -239,7 +239,8 @@ class Policy(_SettingsModel):
     Selector. The engine's values are every request's defaults."""
 
     preset: Literal["balanced", "speed", "paper"] | None = Field(
-        None, description="start from this preset (configs/<name>.yaml); fields given beside it override it"
+        None, description="start from this preset (configs/<name>.yaml) instead of the defaults; fields given "
+        "beside it override it. A request naming one runs the preset's policy, not the engine's"
     )
     policy: Literal["sfi", "dense", "streaming", "snapkv", "quest"] = Field(
         "sfi",
@@ -408,13 +409,18 @@ class EngineSettings(_SettingsModel):
     )
 
     # The boundary trigger's vocabulary and how it reads the sampled tokens.
-    newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too")
+    newline_is_boundary: bool = Field(True, description="newline tokens end a sentence too (with the "
+                                      "tokenizer's enders; explicit boundary_token_ids replace both)")
     boundary_token_ids: list[int] | None = Field(
-        None, description="explicit sentence-ender token ids (default: derived from the tokenizer)"
+        None, description="explicit sentence-ender token ids, at least one (default: derived from the "
+        "tokenizer, with newlines as newline_is_boundary says); they replace the derived set, newlines included"
     )
     @field_validator("boundary_token_ids")
     @classmethod
     def _token_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not ids:
+            raise ValueError("an empty list would leave the boundary trigger nothing to fire on; give at "
+                             "least one id, or set boundary_trigger false")
         if ids is not None and any(i < 0 for i in ids):
             raise ValueError("token ids are 0 or more")
         return ids
@@ -483,7 +489,7 @@ class EngineSettings(_SettingsModel):
         description=(
             "sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run the drafter's "
             "one-token passes as full CUDA graphs, one per padded batch size, each captured at its first "
-            "use (a one-off pause; their memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a "
+            "use after one piecewise run (a one-off pause; their memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a "
             "drafter piecewise graphs only, whose passes are host-bound (docs/settings.md)"
         ),
     )
@@ -507,7 +513,7 @@ class EngineSettings(_SettingsModel):
     )
 
     # Observability.
-    stats_file: str | None = Field(None, description="append per-request statistics (JSON lines); "
+    stats_file: str | None = Field(None, min_length=1, description="append per-request statistics (JSON lines); "
                                 "under tensor/pipeline parallelism the rank-0 worker writes them")
 
 
@@ -626,15 +632,23 @@ def _allowed_range(loc: tuple) -> str:
     return f"{lo}value{hi}" if lo or hi else ""
 
 
+def _field_loc(loc: tuple) -> tuple:
+    """A pydantic error location without the union branches it tried (``literal['auto']``,
+    ``constrained-int``): the field's own path."""
+    return tuple(p for p in loc if isinstance(p, int) or (isinstance(p, str) and p.isidentifier()))
+
+
 def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, str] | None = None) -> str:
-    """One line per error: the field (as ``field_names`` spells its location, else ``sfi.<loc>``),
-    pydantic's message, the allowed range or values, and the value given."""
-    lines = []
+    """One line per field at fault: the field (as ``field_names`` spells its location, else
+    ``sfi.<loc>``), pydantic's message (a union's branches joined by "or"), the allowed range or
+    values, and the value given."""
+    lines: dict[tuple, str] = {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
-        name = (field_names or {}).get(tuple(e["loc"])) or f"sfi.{loc}"
+        field = _field_loc(e["loc"])
+        loc = ".".join(str(p) for p in field) or "(config)"
+        name = (field_names or {}).get(field) or f"sfi.{loc}"
         ctx = e.get("ctx") or {}
-        rng = _allowed_range(e["loc"])
+        rng = _allowed_range(field)
         if not rng and e["type"].startswith("bool"):
             rng = "true or false"
         allowed = f" (allowed: {rng})" if rng else ""
@@ -644,8 +658,12 @@ def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, s
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "int_parsing_size":  # a number too large for an integer: not a string's fault
             msg = "Input should be an integer"
-        lines.append(f"  {name}: {msg}{allowed}{got}")
-    return "invalid SFI configuration:\n" + "\n".join(lines)
+        if field in lines:  # another branch of a union (Literal["auto"] | int): one line, "or"
+            head, _, tail = lines[field].partition("; got ")
+            lines[field] = f"{head} or {msg.removeprefix('Input should be ')}{allowed}" + (f"; got {tail}" if tail else "")
+        else:
+            lines[field] = f"  {name}: {msg}{allowed}{got}"
+    return "invalid SFI configuration:\n" + "\n".join(lines.values())
 
 
 def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = True,
@@ -683,7 +701,7 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
         return SFIConfig.model_validate(merged)
     except ValidationError as e:
         error = SFIConfigError(_format_validation_error(e, field_names))
-        error.locs = [tuple(x["loc"]) for x in e.errors()]
+        error.locs = list(dict.fromkeys(_field_loc(tuple(x["loc"])) for x in e.errors()))
         raise error from None
 
 
@@ -715,8 +733,10 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
     applied field by field, validated as SFIConfig. The front end's request validation and the
     worker both reach it through :func:`sfi_vllm.request_config.resolve_request_config`.
 
-    The engine's values are taken as resolved (its preset is not applied again); a preset the
-    request names applies over the engine's values and under the request's own fields. A fraction
+    The engine's values are taken as resolved (its preset is not applied again). A preset the
+    request names replaces the engine's whole policy: every Policy field takes the preset's value
+    (its file over the defaults), then the request's own fields apply over it, so a request's
+    ``balanced`` is the balanced policy whatever the engine started with. A fraction
     the request gives replaces the engine's fixed K, and a fixed K replaces the engine's fraction.
     The result's EngineSettings are the engine's: a request may repeat an engine field's value, and
     one that would change it raises :class:`SFIConfigError`. Errors name the request's own keys
@@ -726,6 +746,8 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
     merged.pop("preset", None)
     given: dict[str, Any] = {}
     if isinstance(request.get("preset"), str) and request["preset"] in PRESETS:
+        defaults = Policy.model_validate({}).model_dump()
+        merged.update({key: value for key, value in defaults.items() if key != "preset"})
         given = preset_values(request["preset"])
     for key, value in request.items():
         if key == "preset":

@@ -22,7 +22,8 @@ Per engine step, in this order:
    window.
 
 So by default a request's drafts read a selection made at its last verified token; the boundary
-trigger, bridge and min_gap of the lossy mode do not apply, and the reuse budget only with
+trigger, bridge, min_gap, dense_below_context, reuse_stagger and layer_interleaved_refresh of the
+lossy mode do not apply (every re-selection refreshes every layer), and the reuse budget only with
 ``draft_reselect`` reuse_budget or rejection. :func:`plan_draft` turns the
 model step's plan and the drafter's attention metadata into each pass's plan.
 """

@@ -172,7 +172,8 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     """The SFI overrides a request carries in ``extra_args`` (None: none), as one nested dict of
     SFIConfig fields, and for each field path the name the client used (for error messages).
     Raises :class:`SFIRequestError` for a malformed ``sfi`` entry (``null`` included), an unknown
-    ``sfi_*`` key or a field given twice. ``where`` prefixes the names (``vllm_xargs`` over HTTP);
+    ``sfi_*`` key, a field given twice, a ``null`` value (leaving a setting out keeps the
+    engine's) or a group of settings (``selector``) that is not an object. ``where`` prefixes the names (``vllm_xargs`` over HTTP);
     ``mapping_where`` (default ``where``) those of the ``sfi`` entry's fields."""
     if extra_args is None:
         return None
@@ -182,6 +183,13 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     names: dict[tuple, str] = {}
 
     def put(path: tuple[str, ...], value: Any, name: str) -> None:
+        # null is no request value of a policy field (merged, the field would take its class
+        # default, not the engine's value), but for the form of the budget not in force (checked
+        # below) and a preset (none: the engine's values); an engine-wide field's null is compared
+        # with the engine's, as any value
+        if value is None and path[0] not in REQUEST_FIXED_KEYS and path not in _NULLABLE:
+            raise SFIRequestError(f"{name}: null is not a value of sfi.{'.'.join(path)}; leave the setting "
+                                  "out to keep the engine's value", name)
         clash = [n for p, n in names.items() if p == path or p[:1] == path[:1] and (len(p) == 1 or len(path) == 1)]
         if clash:
             raise SFIRequestError(f"{name}: sfi.{'.'.join(path)} is given twice (also as {clash[0]})", name)
@@ -210,7 +218,13 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             if not isinstance(key, str) or key not in SFIConfig.model_fields:
                 raise SFIRequestError(f"{name}: unknown SFI setting {key!r}; allowed: "
                                       f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
-            if key in nested and isinstance(value, Mapping):
+            if key in nested:
+                if isinstance(value, nested[key]):  # offline: the group's model itself
+                    value = value.model_dump()
+                if not isinstance(value, Mapping):
+                    raise SFIRequestError(f"{name}.{key}: must be an object of {key} settings "
+                                          f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
+                                          f"got {type(value).__name__} {value!r}", f"{name}.{key}")
                 for inner, v in value.items():
                     put((key, str(inner)), v, f"{name}.{key}.{inner}")
             else:
@@ -225,13 +239,32 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             raise SFIRequestError(f"{where}.{key}: not an SFI setting's name; did you mean {meant!r}? "
                                   "(a request's flat SFI keys are lower-case, sfi_ then the field, with "
                                   "underscores: sfi_selected_tokens, sfi_selector_alpha)", f"{where}.{key}")
+        group = key[len(FLAT_PREFIX):] if key.startswith(FLAT_PREFIX) else None
+        if path is None and group in _nested_models():
+            first = next(iter(_nested_models()[group].model_fields))
+            raise SFIRequestError(f"{where}.{key}: {group} is a group of settings; give each as its own key "
+                                  f"({FLAT_PREFIX}{group}_{first}), or the group as an object inside the "
+                                  f"{REQUEST_KEY} JSON string ('{{\"{group}\": {{\"{first}\": ...}}}}')",
+                                  f"{where}.{key}")
         if path is None:
             raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "
                                   f"and {REQUEST_KEY} (a JSON object)", f"{where}.{key}")
         put(path, value, f"{where}.{key}")
+    for form, other in (("selected_tokens", "selected_fraction"), ("selected_fraction", "selected_tokens")):
+        if form in overrides and overrides[form] is None and overrides.get(other) is None:
+            name = names[(form,)]
+            raise SFIRequestError(f"{name}: null is not a value of sfi.{form} unless sfi.{other} is given beside "
+                                  "it; leave it out to keep the engine's budget", name)
+    if overrides.get("preset", ...) is None:  # no preset: the engine's values
+        overrides.pop("preset")
+        names.pop(("preset",))
     if not names:
         return None
     return overrides, names
+
+
+# policy fields a request may give as null: the budget form not in force, and no preset
+_NULLABLE = {("selected_tokens",), ("selected_fraction",), ("preset",)}
 
 
 # the fields that size a request's compact set, each with those that revert with it (the budget's
@@ -294,7 +327,8 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                                   f"{limits.max_model_len}) needs {need} tokens, more than the engine's compact "
                                   f"buffers hold ({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}",
                                   name)
-    if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary:
+    # lossless mode runs no boundary trigger (its drafter re-selects at verify steps)
+    if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary and engine.mode != "lossless":
         name = names.get(("boundary_trigger",)) or names.get(("policy",)) or names.get(("preset",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "
                               "has none (it started with sfi.boundary_trigger false and no boundary_token_ids); "
@@ -320,7 +354,7 @@ def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engin
     request may change too."""
     given = {path[0] for path in names}
     if isinstance(overrides.get("preset"), str) and overrides["preset"] in PRESETS:
-        given |= set(preset_values(overrides["preset"]))
+        return ""  # the fields the request left out hold the preset's values, not the engine's
     keys = flat_keys()
     unset = [f for f in SFIConfig.model_fields
              if f not in given and f not in REQUEST_FIXED_KEYS and f"{FLAT_PREFIX}{f}" in keys

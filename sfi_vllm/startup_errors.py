@@ -59,13 +59,15 @@ def tracebacks_wanted() -> bool:
             or os.environ.get("VLLM_LOGGING_LEVEL", "").strip().upper() == "DEBUG")
 
 
-def report(exc: BaseException, prog: str = "sfi-vllm") -> bool:
-    """Print ``exc``'s sfi-vllm start-up message to stderr; False if it holds none."""
+def report(exc: BaseException, prog: str = "sfi-vllm", traceback_hint: str | None = None) -> bool:
+    """Print ``exc``'s sfi-vllm start-up message to stderr; False if it holds none.
+    ``traceback_hint``: how to see the traceback (default: the environment variables)."""
     msg = startup_message(exc)
     if msg is None:
         return False
     print(msg if msg.startswith("sfi-vllm") else f"{prog}: {msg}", file=sys.stderr)  # named once
-    print(f"(traceback: set {DEBUG_ENV}=1 or VLLM_LOGGING_LEVEL=DEBUG)", file=sys.stderr, flush=True)
+    hint = traceback_hint or f"set {DEBUG_ENV}=1 or VLLM_LOGGING_LEVEL=DEBUG"
+    print(f"(traceback: {hint})", file=sys.stderr, flush=True)
     return True
 
 

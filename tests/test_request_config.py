@@ -130,6 +130,18 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
      "quest_page (64) must be <= selected_tokens (32)"),
     # over HTTP a JSON false reaches extra_args as 0: the message shows the value as the field reads it
     ({"sfi_side_stream": 0}, "vllm_xargs.sfi_side_stream", "request: False"),
+    # null is no value: merged, it would take the class default (K = 2048) instead of the engine's
+    ({"sfi": '{"selected_fraction": null}'}, "vllm_xargs.sfi.selected_fraction", "null is not a value"),
+    ({"sfi_selected_tokens": None}, "vllm_xargs.sfi_selected_tokens", "leave it out to keep the engine's budget"),
+    ({"sfi_policy": None}, "vllm_xargs.sfi_policy", "leave the setting out"),
+    ({"sfi": {"selector": {"alpha": None}}}, "vllm_xargs.sfi.selector.alpha", "null is not a value"),
+    # a group given as something else is named as such, not as a clash with its flat keys
+    ({"sfi": '{"selector": "oops"}', "sfi_selector_alpha": 0.1}, "vllm_xargs.sfi.selector",
+     "must be an object of selector settings"),
+    ({"sfi_selector": '{"alpha": 1}'}, "vllm_xargs.sfi_selector", "(sfi_selector_alpha)"),
+    # a union field's error: one line, the field's own name
+    ({"sfi_fused_scores_tokens": "AUTO"}, "vllm_xargs.sfi_fused_scores_tokens",
+     "vllm_xargs.sfi_fused_scores_tokens: Input should be 'auto' or"),
 ])
 def test_bad_request_settings_name_the_field(extra, param, needle):
     if param is None:
@@ -284,6 +296,13 @@ def test_a_request_merges_over_the_engine_as_resolved_not_over_its_preset_again(
     assert (mixed.selected_tokens, mixed.selected_fraction, mixed.reuse_budget) == (None, 0.2, 20)
     fixed = merge_policy(frac, {"preset": "speed"})
     assert (fixed.selected_tokens, fixed.selected_fraction) == (2048, None)
+    # a request's preset is that preset's whole policy: nothing of the engine's own policy carries
+    # into it (the paper engine's token-level Selector and dense slow steps), its engine-wide settings do
+    paper_engine = build_config({"preset": "paper", "recent_window": 128, "side_stream": False}, use_env=False)
+    balanced = merge_policy(paper_engine, {"preset": "balanced", "sinks": 8})
+    expected = build_config({"preset": "balanced", "sinks": 8, "side_stream": False}, use_env=False)
+    assert balanced.model_dump(exclude={"preset"}) == expected.model_dump(exclude={"preset"})
+    assert (balanced.slow_attention, balanced.selector.use_nms, balanced.recent_window) == ("keys", False, 256)
     with pytest.raises(SFIConfigError, match="not both"):
         merge_policy(build_config({}, use_env=False), {"selected_tokens": 512, "selected_fraction": 0.2})
 
@@ -384,3 +403,33 @@ def test_a_lossless_request_may_set_a_reuse_budget_below_min_gap():
     assert (lossless.reuse_budget, lossless.min_gap) == (8, 16)
     with pytest.raises(SFIRequestError, match=r"min_gap \(16\) must be <= reuse_budget \(8\)"):
         resolve_request_config(limits(), {"sfi_reuse_budget": 8})
+
+
+def test_a_null_budget_form_beside_the_other_and_a_null_preset_are_no_settings():
+    """What ``sfi-vllm config`` prints for a config with a fraction (``"selected_tokens": null``)
+    or no preset (``"preset": null``) reads as a request the same way."""
+    lim = limits(max_model_len=8192)
+    got = resolve_request_config(lim, {"sfi": '{"selected_fraction": 0.005, "selected_tokens": null}'})
+    assert (got.selected_fraction, got.selected_tokens) == (0.005, None)
+    assert resolve_request_config(lim, {"sfi": '{"preset": null}'}) is lim.cfg
+    assert resolve_request_config(lim, {"sfi_preset": None, "sfi_sinks": 2}).sinks == 2
+
+
+def test_a_lossless_engine_without_enders_takes_requests_that_ask_for_the_boundary_trigger():
+    """Lossless mode runs no boundary trigger, so a preset or a request's boundary_trigger asks for
+    nothing the engine lacks; the lossy engine refuses them."""
+    for mode, refused in (("lossy", True), ("lossless", False)):
+        lim = limits({"sinks": 4, "selected_tokens": 2048, "boundary_trigger": False, "mode": mode}, 8192)
+        for extra in ({"sfi_preset": "balanced"}, {"sfi_boundary_trigger": 1}):
+            if refused:
+                with pytest.raises(SFIRequestError, match="needs sentence-ender token ids"):
+                    resolve_request_config(lim, extra)
+            else:
+                assert resolve_request_config(lim, extra).boundary_trigger
+
+
+def test_engine_settings_refuse_an_empty_ender_list_and_an_empty_stats_path():
+    with pytest.raises(SFIConfigError, match="boundary_token_ids: an empty list"):
+        build_config({"boundary_token_ids": []}, use_env=False)
+    with pytest.raises(SFIConfigError, match="stats_file: String should have at least 1 character"):
+        build_config({"stats_file": ""}, use_env=False)

@@ -471,3 +471,22 @@ def test_controller_plans_keys_only_slow_rows_after_the_first_selection():
     for ctx in (40, 41, 42, 43):
         p = dense.plan_step(["a"], np.array([1]), np.array([ctx]), [40], torch.tensor([1]))
     assert p.modes == [StepMode.SLOW] and p.keys_only is None and not p.attends_set(0)
+
+
+@pytest.mark.parametrize("mode", ["lossy", "lossless"])
+def test_layer_interleaved_rows_keep_the_in_graph_refresh_only_where_it_applies(mode):
+    """A row that asks for layer-interleaved refreshes takes the eager refresh in the lossy mode
+    (half the layers per slow step); lossless mode re-selects every layer whatever the row asks, so
+    such a row keeps the drafter's in-graph refresh."""
+    from sfi_vllm.compact import RowGeometry
+
+    cfg = {"bridge_steps": 0, "sinks": 4, "recent_window": 64, "selected_tokens": 128, "mode": mode,
+           "boundary_token_ids": [7]}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg, max_num_seqs=4))
+    executor = executor_for(ctl)
+    executor.graph_slow_ready = True
+    plain = ctl.cfg
+    interleaved = plain.model_copy(update={"layer_interleaved_refresh": True})
+    geometry = [RowGeometry.at(plain, 2000)] * 2
+    assert executor._slow_rows_fit_graph([plain, plain], geometry)
+    assert executor._slow_rows_fit_graph([plain, interleaved], geometry) == (mode == "lossless")

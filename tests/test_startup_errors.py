@@ -53,6 +53,19 @@ def test_cli_prints_one_line_per_field_without_traceback(debug):
     assert proc.returncode != 0
     assert "sfi.recent_window: Input should be greater than or equal to 1" in proc.stderr
     assert ("Traceback" in proc.stderr) == debug
+    if not debug:  # the command's own flag, not only the environment variable
+        assert "(traceback: --debug)" in proc.stderr
+
+
+def test_cli_output_to_a_reader_that_left_ends_without_a_traceback():
+    """``sfi-vllm config --markdown | head -1``: the reader closes the pipe before the command's
+    output is written (here a reader that reads nothing)."""
+    cmd = [sys.executable, "-m", "sfi_vllm.tools.cli", "config", "--markdown"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 
 def test_uncaught_error_prints_without_traceback_once_the_plugin_is_loaded():

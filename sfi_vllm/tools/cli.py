@@ -1,4 +1,5 @@
-"""The ``sfi-vllm`` command."""
+"""The sfi-vllm command: the embedded model, its demo, the configuration, offline batches, and the
+quality benchmarks' tools (eval, suite, fidelity, rescore, report: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -631,10 +632,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sfi-vllm {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output left early (sfi-vllm config | head): no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 1
     except Exception as e:
         if args.debug or tracebacks_wanted():
             raise
-        if report(e, f"sfi-vllm {args.command}"):
+        if report(e, f"sfi-vllm {args.command}", traceback_hint="--debug"):
             return 2
         line = _user_error_line(e)
         if line is None:
