@@ -16,6 +16,8 @@ INTERPRET = not torch.cuda.is_available()
 INTERPRETER_TARGET_PROGRAMS = 48
 # the interpreter cases' slow-step frame rounding (sfi_vllm.backends.selection.WIDTH_BUCKET)
 INTERPRETER_WIDTH_BUCKET = 512
+# ... and the page top-K's smallest tile of best pages (sfi_vllm.kernels.top_k_pages.MIN_PAGE_TILE)
+INTERPRETER_MIN_PAGE_TILE = 32
 
 
 def _import_triton_interpreted() -> str | None:
@@ -81,6 +83,12 @@ def _triton_interpreter(request, monkeypatch):
         from sfi_vllm.backends import selection
 
         monkeypatch.setattr(selection, "WIDTH_BUCKET", INTERPRETER_WIDTH_BUCKET)
+        # the page top-K's smallest tile of best pages: 32 instead of 256 (the interpreter's tl.sort
+        # of a tile dominated these cases); a module that checks which tiles a GPU compiles keeps 256
+        if not getattr(request.module, "KEEPS_GPU_PAGE_TILES", False):
+            from sfi_vllm.kernels import top_k_pages
+
+            monkeypatch.setattr(top_k_pages, "MIN_PAGE_TILE", INTERPRETER_MIN_PAGE_TILE)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,10 @@ import torch
 
 from builders import GPU_DTYPES, case, paged_cache
 
+# these tests check the tiles of best pages a GPU compiles: the interpreter cases keep the page
+# top-K's smallest tile at its real value (tests/kernels/conftest.py)
+KEEPS_GPU_PAGE_TILES = True
+
 
 class Recorder:
     """Wraps a ``@triton.jit`` kernel: records each launch's keyword arguments (the constants),
@@ -97,12 +101,12 @@ def test_a_failing_configuration_does_not_stop_the_others(device, monkeypatch):
 
 @pytest.mark.parametrize("device", [case("cpu", id="float32")])
 def test_warmup_compiles_the_page_top_k_up_to_the_engines_budget(device, monkeypatch):
-    """A budget of 8,192 tokens (513 pages of 16) needs tiles of 256, 512 and 1,024 best pages
-    (shorter contexts take the smaller ones); with ``selector_top_k: torch`` no page top-K kernel
-    runs, so none is compiled."""
+    """A budget of 4,096 tokens (257 pages of 16) needs tiles of 256 and 512 best pages (shorter
+    contexts take the smaller one; each doubling of the budget adds a tile); with
+    ``selector_top_k: torch`` no page top-K kernel runs, so none is compiled."""
     _, rec = run_warmup(device, torch.float32, monkeypatch,
-                        sfi={"selected_tokens": 8192, "experimental": {"selector_top_k": "auto"}})
-    assert [k["KP_PAD"] for k in rec["_top_k_pages"].launches] == [256, 512, 1024]
+                        sfi={"selected_tokens": 4096, "experimental": {"selector_top_k": "auto"}})
+    assert [k["KP_PAD"] for k in rec["_top_k_pages"].launches] == [256, 512]
     _, rec = run_warmup(device, torch.float32, monkeypatch, sfi={"experimental": {"selector_top_k": "torch"}})
     assert rec["_top_k_pages"].launches == []
 

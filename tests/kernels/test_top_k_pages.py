@@ -54,8 +54,9 @@ CASES = [
          id="hkv3-w513-p8-k100"),
     case("cpu", dict(hkv=2, width=20, kmax=5, block=16, n=(20, 3), k=(5, 5)), id="hkv2-w20-k5-two-pages"),
     case("cpu", dict(hkv=2, width=300, page=32, kmax=70, block=16, n=(300, 290), k=(70, 1)), id="hkv2-w300-p32-k70"),
+    # a tile above the smallest in the interpreter (its smallest is 32: 128 here, for 100 pages)
     case("cpu", dict(hkv=2, width=200, page=2, kmax=600, block=64, n=(200, 150), k=(600, 37)),
-         id="hkv2-w200-p2-k600-tile512"),
+         id="hkv2-w200-p2-k600-larger-tile"),
     case("cpu", dict(hkv=2, width=96, page=4, kmax=64, block=16, n=(96, 0, 50), k=(0, 20, 64)),
          id="hkv2-w96-p4-budget0-no-candidates"),
     case("cuda", {}, id="hkv8-w35000-k2048"),
