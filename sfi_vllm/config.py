@@ -533,9 +533,9 @@ class SFIConfig(EngineSettings, Policy):
             raise ValueError("experimental.candidate_pages (an engine setting) needs page selection: "
                              f"selector.page_size must be > 1, not {self.selector.page_size} (the paper "
                              "preset selects token by token)")
-        if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.layer_interleaved_refresh):
+        if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.interleaved_refresh_applies):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
-                             "and no layer_interleaved_refresh")
+                             "and, in the lossy mode, no layer_interleaved_refresh")
         if self.refresh_overlap and (not self.side_stream or self.mode != "lossy"):
             raise ValueError("refresh_overlap needs side_stream on and mode lossy (a lossless drafter's "
                              "next pass reads the selection its first pass makes)")
@@ -543,7 +543,7 @@ class SFIConfig(EngineSettings, Policy):
                 self.kernels == "torch" or not self.graph_slow_enabled):
             raise ValueError("fused_scores_tokens needs slow steps inside full CUDA graphs: kernels "
                              "auto or triton, slow_in_graph not false, slow_refresh per_step or auto, "
-                             "no layer_interleaved_refresh")
+                             "no layer_interleaved_refresh in the lossy mode")
         return self
 
     def engine_settings(self) -> EngineSettings:
@@ -577,7 +577,13 @@ class SFIConfig(EngineSettings, Policy):
     @property
     def graph_slow_enabled(self) -> bool:
         """Whether slow steps may run inside full CUDA graphs (``slow_in_graph`` resolved)."""
-        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.layer_interleaved_refresh
+        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.interleaved_refresh_applies
+
+    @property
+    def interleaved_refresh_applies(self) -> bool:
+        """``layer_interleaved_refresh`` where it acts: the lossy mode (a lossless drafter's
+        re-selection refreshes every layer)."""
+        return self.layer_interleaved_refresh and self.mode == "lossy"
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -634,8 +640,19 @@ def _allowed_range(loc: tuple) -> str:
 
 def _field_loc(loc: tuple) -> tuple:
     """A pydantic error location without the union branches it tried (``literal['auto']``,
-    ``constrained-int``): the field's own path."""
-    return tuple(p for p in loc if isinstance(p, int) or (isinstance(p, str) and p.isidentifier()))
+    ``constrained-int``, ``int``): the field's own path, list indexes included. Inside a model
+    every part is a field (or a key the model does not have); below a field that is no model,
+    only indexes are."""
+    model: Any = SFIConfig
+    out = []
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            out.append(part)
+            field = model.model_fields.get(part) if isinstance(part, str) else None
+            model = field.annotation if field is not None else None
+        elif isinstance(part, int):
+            out.append(part)
+    return tuple(out)
 
 
 def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, str] | None = None) -> str:

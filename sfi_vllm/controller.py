@@ -320,9 +320,15 @@ class SFIController:
                 cfg = self.cfg.model_copy(update={"policy": "dense"})
                 # a fallback back from a preemption may find only compact sets free
                 slot = (self.free_plain or self.free_compact).pop()
+            try:
+                self.trigger.configure(slot, cfg, phase)
+            except ValueError as e:  # the front end's checks should have refused it; never stop the engine
+                logger.error("sfi-vllm: request %s: %s; it runs with dense attention", req_id, e)
+                self.stats.note_fallback(req_id, "config_error", str(e))
+                cfg = self.cfg.model_copy(update={"policy": "dense"})
+                self.trigger.configure(slot, cfg, phase)
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
-            self.trigger.configure(slot, cfg, phase)
             self.stats.get(req_id).policy = cfg.policy
             self._reset(slot)
         return slot

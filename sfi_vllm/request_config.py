@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, engine_fields, merge_policy, preset_values
+from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -219,8 +219,8 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                 raise SFIRequestError(f"{name}: unknown SFI setting {key!r}; allowed: "
                                       f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
             if key in nested:
-                if isinstance(value, nested[key]):  # offline: the group's model itself
-                    value = value.model_dump()
+                if isinstance(value, nested[key]):  # offline: the group's model, its fields as given
+                    value = value.model_dump(exclude_unset=True)
                 if not isinstance(value, Mapping):
                     raise SFIRequestError(f"{name}.{key}: must be an object of {key} settings "
                                           f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
@@ -298,8 +298,9 @@ def _budget_field_at_fault(cfg: SFIConfig, engine: SFIConfig, names: Mapping[tup
             return name
     preset_name = names.get(("preset",))
     if preset_name is not None and preset in PRESETS:
-        from_preset = {g for f in preset_values(preset) if f in _BUDGET_FIELDS and (f,) not in names
-                       for g in _BUDGET_FIELDS[f]}
+        # the preset is the request's whole policy: every budget field the request left out is its
+        own = {g for f in _BUDGET_FIELDS if (f,) in names for g in _BUDGET_FIELDS[f]}
+        from_preset = {f for f in _BUDGET_FIELDS if f not in own}
         if from_preset and fits(from_preset):
             return preset_name
     if given:
@@ -320,6 +321,8 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
         if cfg.policy != "dense" and need > have:
             name = _budget_field_at_fault(cfg, engine, names, limits.max_model_len, have, preset)
             fix = ("Ask for fewer, or raise the engine's sfi.selected_tokens (or selected_cap)"
+                   + (f" (the preset {preset!r} brings its own budget, selected_cap included: the request "
+                      "may set those too)" if name == names.get(("preset",)) else "")
                    if engine.policy != "streaming" else
                    "The engine runs policy streaming, which selects nothing, so its buffers hold its sinks "
                    "only: a request can select tokens on an engine started with another policy")
@@ -350,19 +353,22 @@ def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: st
 def _engine_values_hint(error: SFIConfigError, names: Mapping[tuple, str], engine: SFIConfig,
                         overrides: Mapping[str, Any]) -> str:
     """For an error of several fields together, the fields its message names (``min_gap (16)``)
-    that neither the request nor a preset it names set: they hold the engine's values, which the
-    request may change too."""
+    that the request did not set: they hold the engine's values, or those of the preset the
+    request names, which the request may change too."""
     given = {path[0] for path in names}
-    if isinstance(overrides.get("preset"), str) and overrides["preset"] in PRESETS:
-        return ""  # the fields the request left out hold the preset's values, not the engine's
+    preset = overrides.get("preset")
+    if isinstance(preset, str) and preset in PRESETS:  # the request's policy is the preset's
+        base = build_config({"preset": preset}, use_env=False)
+        source = f"comes from the preset {preset!r}; the request may set it"
+    else:
+        base, source = engine, "is the engine's value, which the request may set"
     keys = flat_keys()
     unset = [f for f in SFIConfig.model_fields
              if f not in given and f not in REQUEST_FIXED_KEYS and f"{FLAT_PREFIX}{f}" in keys
              and re.search(rf"\b{re.escape(f)} \(", str(error))]
     if not unset or not any(re.search(rf"\b{re.escape(p[0])} \(", str(error)) for p in names):
         return ""
-    return "; " + ", ".join(f"{f} ({getattr(engine, f)!r}) is the engine's value, which the request may set "
-                            f"as well ({FLAT_PREFIX}{f})" for f in unset)
+    return "; " + ", ".join(f"{f} ({getattr(base, f)!r}) {source} as well ({FLAT_PREFIX}{f})" for f in unset)
 
 
 def resolve_request_config(limits: EngineLimits, extra_args: Any, where: str = "vllm_xargs",

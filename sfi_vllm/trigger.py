@@ -195,7 +195,9 @@ class SlowStepTrigger:
     def configure(self, slot: int, cfg: SFIConfig, phase: int = 0) -> None:
         """Apply ``cfg``'s trigger settings and policy to one slot, for a request whose prompt has
         the phase key ``phase`` (:func:`prompt_phase`)."""
-        if cfg.boundary_trigger and cfg.refreshes_selection and not self.has_boundary:
+        # lossless mode runs no trigger (its drafter re-selects at verify steps): a request there
+        # may ask for the boundary trigger on an engine without enders (request_config accepts it)
+        if cfg.boundary_trigger and cfg.refreshes_selection and not self.has_boundary and cfg.mode != "lossless":
             raise ValueError(
                 "sfi-vllm: the boundary trigger needs sentence-ender token ids: serve with a "
                 "tokenizer, set sfi.boundary_token_ids, or set sfi.boundary_trigger=false"
@@ -203,7 +205,7 @@ class SlowStepTrigger:
         refresh = cfg.refreshes_selection
         self.reuse_budget[slot] = cfg.reuse_budget if refresh else np.iinfo(np.int32).max
         self.min_gap[slot] = cfg.min_gap
-        self.boundary_on[slot] = cfg.boundary_trigger and refresh
+        self.boundary_on[slot] = cfg.boundary_trigger and refresh and self.has_boundary
         self.at_ender[slot] = cfg.boundary_fire == "at_ender"
         # dense: every step dense; quest: every step selects its own pages (no slow steps)
         self.dense_below[slot] = (1 << 62) if cfg.policy == "dense" else cfg.dense_below_context

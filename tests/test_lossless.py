@@ -562,3 +562,18 @@ def test_cpu_rejection_sampler_expands_every_requests_sampling_setting(values, d
     got = rejection_sampler.expand_batch_to_tokens(x, cu, 6, *replace)
     assert got.tolist() == pytest.approx(expected[:6])
     assert cpu_tl.expand_kernel[(1,)] is cpu_spec_expand.expand_to_tokens  # for a CPU runner made later
+
+
+def test_a_lossless_engine_without_enders_runs_requests_that_ask_for_the_boundary_trigger():
+    """Lossless mode runs no boundary trigger: the front end accepts a request that names a preset
+    (boundary_trigger true) or the trigger on an engine without sentence enders, and the worker
+    must configure it too, not stop the engine."""
+    cfg = {**LOSSLESS, "boundary_token_ids": None, "boundary_trigger": False}
+    ctl = SFIController(build_config(cfg, use_env=False), fake_vllm_config(cfg))
+    assert not ctl.trigger.has_boundary
+    plan = ctl.plan_step(["a", "b"], np.array([100, 100]), np.array([0, 0]), [100, 100],
+                         torch.zeros(2, dtype=torch.long), [{"sfi_preset": "balanced"}, {"sfi_boundary_trigger": 1}])
+    assert plan.verify and plan.modes == [StepMode.PREFILL, StepMode.PREFILL]
+    for i, req in enumerate(("a", "b")):
+        assert ctl.stats.get(req).fallback is None  # ran as asked, not densely
+        assert ctl.slot_cfg[plan.slots[i]].boundary_trigger and not ctl.trigger.boundary_on[plan.slots[i]]

@@ -98,8 +98,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"sfi": {"selected_tokens": 16, "reuse_budget": 8}}, "vllm_xargs.sfi.reuse_budget", "reuse_budget (8)"),
     ({"sfi_sinks": 2, "sfi": {"sinks": 2}}, "vllm_xargs.sfi_sinks", "given twice"),
     ({"sfi_selector_alpha": 1, "sfi": {"selector": {"gamma": 1}}}, None, None),  # different fields: fine
-    # ... but not for a value the request's own preset set (the speed preset's reuse_budget is 20)
-    ({"sfi_preset": "speed", "sfi_min_gap": 30}, "vllm_xargs.sfi_min_gap", "reuse_budget (20)"),
+    # ... or the preset's, where the request names one (the speed preset's reuse_budget is 20)
+    ({"sfi_preset": "speed", "sfi_min_gap": 30}, "vllm_xargs.sfi_min_gap", "reuse_budget (20) comes from the "
+     "preset 'speed'; the request may set it as well (sfi_reuse_budget)"),
     # a number JSON parsing refuses is no duplicate key
     ({"sfi": '{"reuse_budget": ' + "1" * 5000 + "}"}, "vllm_xargs.sfi", "not valid JSON"),
     # a key twice in the JSON string (json.loads alone would keep the last without a word)
@@ -413,6 +414,29 @@ def test_a_null_budget_form_beside_the_other_and_a_null_preset_are_no_settings()
     assert (got.selected_fraction, got.selected_tokens) == (0.005, None)
     assert resolve_request_config(lim, {"sfi": '{"preset": null}'}) is lim.cfg
     assert resolve_request_config(lim, {"sfi_preset": None, "sfi_sinks": 2}).sinks == 2
+
+
+def test_an_offline_group_model_sets_the_fields_it_was_given():
+    """``extra_args={"sfi": {"selector": SelectorConfig(alpha=1.0)}}`` (in-process engines: vLLM's
+    multiprocess engine sends extra_args through msgspec, which takes mappings, not models) sets
+    alpha; the Selector's other fields keep the engine's values, not the model's defaults."""
+    lim = limits({**ENGINE, "selector": {"page_size": 0, "use_nms": True}})
+    got = resolve_request_config(lim, {"sfi": {"selector": SelectorConfig(alpha=1.0)}})
+    assert (got.selector.alpha, got.selector.page_size, got.selector.use_nms) == (1.0, 0, True)
+
+
+def test_a_preset_that_outgrows_the_buffers_is_named_with_what_it_brings():
+    """A request's preset brings its whole budget (K, or the default selected_cap beside a
+    fraction): the refusal names the preset, not the fraction the request repeated."""
+    lim = limits({"selected_fraction": 0.05, "selected_cap": 1024, "boundary_token_ids": [7]}, 131072)
+    with pytest.raises(SFIRequestError, match="brings its own budget, selected_cap included") as info:
+        resolve_request_config(lim, {"sfi_preset": "balanced", "sfi_selected_fraction": 0.05})
+    assert info.value.param == "vllm_xargs.sfi_preset"
+    assert resolve_request_config(lim, {"sfi_preset": "balanced", "sfi_selected_fraction": 0.05,
+                                        "sfi_selected_cap": 1024}).selected_cap == 1024
+    with pytest.raises(SFIRequestError) as info:  # the request's own K: named, no word of the preset
+        resolve_request_config(lim, {"sfi_preset": "speed", "sfi_selected_tokens": 4096})
+    assert info.value.param == "vllm_xargs.sfi_selected_tokens" and "brings" not in str(info.value)
 
 
 def test_a_lossless_engine_without_enders_takes_requests_that_ask_for_the_boundary_trigger():

@@ -490,3 +490,11 @@ def test_layer_interleaved_rows_keep_the_in_graph_refresh_only_where_it_applies(
     geometry = [RowGeometry.at(plain, 2000)] * 2
     assert executor._slow_rows_fit_graph([plain, plain], geometry)
     assert executor._slow_rows_fit_graph([plain, interleaved], geometry) == (mode == "lossless")
+    # ... and an engine that sets it keeps its slow steps in the graphs only in lossless mode
+    engine = {**cfg, "layer_interleaved_refresh": True}
+    assert build_config(engine, use_env=False).graph_slow_enabled == (mode == "lossless")
+    if mode == "lossless":
+        assert build_config({**engine, "slow_in_graph": True, "fused_scores_tokens": 4096}, use_env=False)
+    else:
+        with pytest.raises(ValueError, match="no layer_interleaved_refresh"):
+            build_config({**engine, "slow_in_graph": True}, use_env=False)

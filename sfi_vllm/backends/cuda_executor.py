@@ -111,11 +111,8 @@ class CudaExecutor:
         if not (self.graph_slow_ready and self.cfg.graph_slow_enabled) or not refresh_per_step(
                 self.cfg.slow_refresh, contexts, keys_only):
             return False
-        # lossless mode re-selects every layer (its plans set refresh_all), whatever a row's
-        # layer_interleaved_refresh says
-        interleaved_applies = self.cfg.mode != "lossless"
-        for cfg, g in zip(cfgs, geometry):
-            if (cfg.layer_interleaved_refresh and interleaved_applies) or cfg.policy == "quest" or not g.scored:
+        for cfg, g in zip(cfgs, geometry):  # (lossless mode re-selects every layer, interleaved or not)
+            if cfg.interleaved_refresh_applies or cfg.policy == "quest" or not g.scored:
                 return False
         return True
 

@@ -610,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
+        sys.stdout.flush()  # a reader of the output that left shows here, not at the interpreter's exit
         if getattr(args, "in_process_engine", False) and argv is None:
             # The engine ran in this process. At interpreter exit, Triton's bindings (nanobind) then
             # print pages of "leaked instance" reports after the command's output; they are harmless
@@ -632,10 +633,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sfi-vllm {args.command}: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader of the output left early (sfi-vllm config | head): no traceback
+    except BrokenPipeError as e:  # the reader of the output left early (sfi-vllm config | head)
+        if args.debug or tracebacks_wanted():
+            raise
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        try:
+            print(f"sfi-vllm {args.command}: a pipe was closed before the output was written ({e.strerror})",
+                  file=sys.stderr)
+        except OSError:
+            pass
         return 1
     except Exception as e:
         if args.debug or tracebacks_wanted():
