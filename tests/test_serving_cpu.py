@@ -134,7 +134,7 @@ BAD_REQUESTS = [
     ({"sfi": {"policy": "dense"}}, "vllm_xargs", ""),  # a nested object: vLLM's own 400
     ({"sfi": '{"policy": "fastest"}'}, "vllm_xargs.sfi.policy", "'streaming'"),
     ({"sfi": '{"recent_windw": 8}'}, "vllm_xargs.sfi.recent_windw", "recent_window"),
-    ({"sfi": '{"selector": "strong"}'}, "vllm_xargs.sfi.selector", "SelectorConfig"),
+    ({"sfi": '{"selector": "strong"}'}, "vllm_xargs.sfi.selector", "must be an object of selector settings"),
     ({"sfi_polcy": "dense"}, "vllm_xargs.sfi_polcy", "sfi_policy"),
     ({"sfi_selector": "strong"}, "vllm_xargs.sfi_selector", "sfi_selector_alpha"),
     ({"sfi_policy": "fastest"}, "vllm_xargs.sfi_policy", "'quest'"),
