@@ -489,7 +489,8 @@ class EngineSettings(_SettingsModel):
         description=(
             "sfi.mode lossless on CUDA, without tensor, pipeline or data parallelism: run the drafter's "
             "one-token passes as full CUDA graphs, one per padded batch size, each captured at its first "
-            "use after one piecewise run (a one-off pause; their memory is outside vLLM's KV-cache sizing). vLLM 0.26 gives a "
+            "use after one piecewise run (a one-off pause; their memory is outside vLLM's KV-cache sizing). "
+            "vLLM 0.26 gives a "
             "drafter piecewise graphs only, whose passes are host-bound (docs/settings.md)"
         ),
     )
@@ -577,7 +578,8 @@ class SFIConfig(EngineSettings, Policy):
     @property
     def graph_slow_enabled(self) -> bool:
         """Whether slow steps may run inside full CUDA graphs (``slow_in_graph`` resolved)."""
-        return self.slow_in_graph is not False and self.slow_refresh != "per_layer" and not self.interleaved_refresh_applies
+        return (self.slow_in_graph is not False and self.slow_refresh != "per_layer"
+                and not self.interleaved_refresh_applies)
 
     @property
     def interleaved_refresh_applies(self) -> bool:
@@ -677,7 +679,8 @@ def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, s
             msg = "Input should be an integer"
         if field in lines:  # another branch of a union (Literal["auto"] | int): one line, "or"
             head, _, tail = lines[field].partition("; got ")
-            lines[field] = f"{head} or {msg.removeprefix('Input should be ')}{allowed}" + (f"; got {tail}" if tail else "")
+            lines[field] = (f"{head} or {msg.removeprefix('Input should be ')}{allowed}"
+                            + (f"; got {tail}" if tail else ""))
         else:
             lines[field] = f"  {name}: {msg}{allowed}{got}"
     return "invalid SFI configuration:\n" + "\n".join(lines.values())

@@ -173,8 +173,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     SFIConfig fields, and for each field path the name the client used (for error messages).
     Raises :class:`SFIRequestError` for a malformed ``sfi`` entry (``null`` included), an unknown
     ``sfi_*`` key, a field given twice, a ``null`` value (leaving a setting out keeps the
-    engine's) or a group of settings (``selector``) that is not an object. ``where`` prefixes the names (``vllm_xargs`` over HTTP);
-    ``mapping_where`` (default ``where``) those of the ``sfi`` entry's fields."""
+    engine's) or a group of settings (``selector``) that is not an object. ``where`` prefixes the
+    names (``vllm_xargs`` over HTTP); ``mapping_where`` (default ``where``) those of the ``sfi``
+    entry's fields."""
     if extra_args is None:
         return None
     if not isinstance(extra_args, Mapping):
