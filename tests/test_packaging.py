@@ -165,12 +165,7 @@ def test_readme_config_table_is_current():
 def test_parallel_tests_keep_the_engine_modules_in_one_worker():
     """Under ``-n 2`` the modules that use the ``engine`` mark are one unit of xdist's scheduler
     (no two engines at once), collected first; every other module is a unit of its own."""
-    import importlib.util
-
-    # by path: ``import conftest`` gives whichever conftest pytest imported under that name first
-    spec = importlib.util.spec_from_file_location("tests_conftest", REPO / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
+    import conftest
 
     assert {"tests/test_engine_cpu.py", "tests/test_lossless_engine.py", "tests/test_serving_cpu.py",
             "tests/test_server_cpu.py"} <= conftest.ENGINE_MODULES
