@@ -162,18 +162,6 @@ def test_readme_config_table_is_current():
         "the README's configuration table is stale: run `python -m sfi_vllm.tools.config_table README.md`"
 
 
-def test_parallel_tests_keep_the_engine_modules_in_one_worker():
-    """Under ``-n 2`` the modules that use the ``engine`` mark are one unit of xdist's scheduler
-    (no two engines at once), collected first; every other module is a unit of its own."""
-    import conftest
-
-    assert {"tests/test_engine_cpu.py", "tests/test_lossless_engine.py", "tests/test_serving_cpu.py",
-            "tests/test_server_cpu.py"} <= conftest.ENGINE_MODULES
-    assert "tests/test_config.py" not in conftest.ENGINE_MODULES
-    assert {conftest.xdist_scope(f"{m}::test_x[a-b]") for m in conftest.ENGINE_MODULES} == {"engine modules"}
-    assert conftest.xdist_scope("tests/kernels/test_top_k.py::test_x[cpu]") == "tests/kernels/test_top_k.py"
-
-
 def test_readme_commands_and_house_rules():
     """The README's two commands are the ones .ci/run runs; the README is a manual (no dates,
     commit ids or paths outside the clone)."""
@@ -181,8 +169,8 @@ def test_readme_commands_and_house_rules():
 
     readme = (REPO / "README.md").read_text()
     assert "bash scripts/setup_cpu.sh && .venv/bin/sfi-vllm demo" in readme
-    assert ".venv/bin/python -m pytest -q -ra -n 2 tests" in readme
-    assert ".venv/bin/python -m pytest -q -ra -n 2 tests" in (REPO / ".ci" / "run").read_text()
+    assert ".venv/bin/python -m pytest -q -ra tests" in readme
+    assert ".venv/bin/python -m pytest -q -ra tests" in (REPO / ".ci" / "run").read_text()
     for doc in ("README.md", "benchmarks/README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))):
         text = (REPO / doc).read_text()
         assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{doc} has a date"
