@@ -57,6 +57,24 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Ten
     return torch.softmax(_grouped_scores(q, k, scale), dim=-1)
 
 
+def causal_attention_probs(q: torch.Tensor, end: int, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention probabilities of ``q (n, Hq, D)``, the queries of positions ``end - n`` to
+    ``end - 1``, over the keys ``(Hkv, L, D)`` of positions ``0 .. L - 1``, each query seeing the
+    keys up to its own position: ``(Hkv, G * n, L)``, the rows in ``(G, n)`` order."""
+    n, hq, d = q.shape
+    hkv, length, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if end > length or end < n:
+        raise ValueError(f"queries ending at position {end} do not fit {length} keys")
+    qg = q.float().view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # (Hkv, G, n, D)
+    s = torch.einsum("hgnd,hld->hgnl", qg, k.float()) * scale
+    pos = torch.arange(end - n, end, device=k.device)
+    future = torch.arange(length, device=k.device)[None, :] > pos[:, None]  # (n, L)
+    s = s.masked_fill(future, float("-inf"))
+    return torch.softmax(s, dim=-1).reshape(hkv, -1, length)
+
+
 def fast_step_attention(
     q: torch.Tensor,
     compact_k: torch.Tensor,

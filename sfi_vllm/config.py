@@ -132,6 +132,16 @@ class ExperimentalConfig(_StrictNumbers):
             "keys would keep; the reference itself reads every key (docs/selection.md). 0: every page"
         ),
     )
+    prompt_window: int = Field(
+        0, ge=0, le=1024,
+        description=(
+            "the torch reference path only (the GPU kernels refuse it), lossy mode: a request's first "
+            "selection also pools the attention of its prompt's last this many query tokens (SnapKV's "
+            "observation window), kept from its prefill, with the first selection's own query. The "
+            "scheduler then leaves at least this many prompt tokens out of a prefix-cache hit, so that "
+            "their queries are computed (docs/selection.md). 0: the first selection's query alone"
+        ),
+    )
     wide_dense_tiles: bool = Field(
         False,
         description=(
@@ -534,6 +544,9 @@ class SFIConfig(EngineSettings, Policy):
             raise ValueError("experimental.candidate_pages (an engine setting) needs page selection: "
                              f"selector.page_size must be > 1, not {self.selector.page_size} (the paper "
                              "preset selects token by token)")
+        if self.experimental.prompt_window and self.mode != "lossy":
+            raise ValueError("experimental.prompt_window (an engine setting) serves the lossy mode's first "
+                             "selection; the lossless mode's drafter does not keep prompt queries")
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.interleaved_refresh_applies):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and, in the lossy mode, no layer_interleaved_refresh")

@@ -66,3 +66,19 @@ def test_fast_step_over_per_head_sets_matches_masked_dense(rng):
     out = fast_step_attention(q, ck, cv, k[:, 150:], v[:, 150:], 0.125)
     keep = [torch.cat([sel[h], torch.arange(150, n)]) for h in range(hkv)]
     assert torch.allclose(out.double(), brute_force(q, k, v, 0.125, keep), atol=1e-5)
+
+
+def test_causal_attention_probs_rows_see_keys_up_to_their_own_position():
+    from sfi_vllm.attention_ref import attention_probs, causal_attention_probs
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 6, 16, generator=g)  # positions 35..39
+    k = torch.randn(2, 50, 16, generator=g)
+    p = causal_attention_probs(q, 40, k, 0.25).view(2, 3, 5, 50)
+    for j in range(5):
+        pos = 35 + j
+        ref = attention_probs(q[j], k[:, :pos + 1], 0.25)  # (Hkv, G, pos + 1)
+        torch.testing.assert_close(p[:, :, j, :pos + 1], ref)
+        assert p[:, :, j, pos + 1:].abs().max() == 0
+    with pytest.raises(ValueError):
+        causal_attention_probs(q, 51, k, 0.25)

@@ -67,6 +67,12 @@ def test_min_gap_bounds_the_reuse_budget_in_the_lossy_mode_only():
         build_config({"reuse_budget": 8}, use_env=False)
 
 
+def test_prompt_window_serves_the_lossy_mode_only():
+    assert build_config({"experimental": {"prompt_window": 32}}, use_env=False).experimental.prompt_window == 32
+    with pytest.raises(SFIConfigError, match="prompt_window .* lossy mode"):
+        build_config({"mode": "lossless", "experimental": {"prompt_window": 32}}, use_env=False)
+
+
 def test_slow_in_graph_resolves_where_the_refresh_allows_it():
     # unset (the default): on with the per-step refresh, off where the settings exclude it, no error
     assert build_config({}, use_env=False).graph_slow_enabled

@@ -35,6 +35,23 @@ def test_skipped_prefix_count_answers_zero_for_every_group():
     assert prefix_count.skipped_schedulers() == before + 1
 
 
+def test_prompt_window_leaves_that_many_prompt_tokens_out_of_cache_hits():
+    from types import SimpleNamespace
+
+    from sfi_vllm.patches.prompt_window import keep_prompt_window
+
+    asked = []
+    coordinator = SimpleNamespace(find_longest_cache_hit=lambda hashes, longest: asked.append(longest) or ("hit", longest))
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(coordinator=coordinator))
+    keep_prompt_window(scheduler, 32)
+    assert coordinator.find_longest_cache_hit(["h"], 2174) == ("hit", 2143)  # 2175-token prompt: 32 left
+    assert coordinator.find_longest_cache_hit([], 10) == ("hit", 0)
+    assert asked == [2143, 0]
+    unchanged = SimpleNamespace(kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(find_longest_cache_hit=len)))
+    keep_prompt_window(unchanged, 1)  # vLLM computes the last token anyway
+    assert unchanged.kv_cache_manager.coordinator.find_longest_cache_hit is len
+
+
 def test_scheduler_init_is_wrapped_once_an_engine_resolves_its_scheduler_class():
     from vllm.config.scheduler import SchedulerConfig
 

@@ -498,3 +498,44 @@ def test_layer_interleaved_rows_keep_the_in_graph_refresh_only_where_it_applies(
     else:
         with pytest.raises(ValueError, match="no layer_interleaved_refresh"):
             build_config({**engine, "slow_in_graph": True}, use_env=False)
+
+
+def test_prompt_window_queries_join_the_first_selections_evidence():
+    """sfi.experimental.prompt_window: the last queries of a prompt prefilled in two chunks are kept
+    (a chunk shorter than the window extends the previous one's), and the first selection pools
+    their causal attention with its own query's; then they are forgotten."""
+    from sfi_vllm.attention_ref import causal_attention_probs
+
+    cfg = {"sinks": 4, "recent_window": 32, "selected_tokens": 48, "min_gap": 0,
+           "experimental": {"prompt_window": 8}}
+    ctl = SFIController(build_config({"bridge_steps": 0, "boundary_token_ids": [7], **cfg}, use_env=False),
+                        fake_vllm_config(cfg))
+    c = ctl.cfg
+    layer = SFILayer(ctl, num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    ctx = 601  # a 600-token prompt and the first decode token
+    paged, cam, q, ks, vs = make_batch("flash", 16, [ctx], [1])
+    prompt_q = torch.randn(600, 9, 64, generator=torch.Generator().manual_seed(5))
+    for first, stop in ((590, 595), (595, 600)):  # the prompt's last two chunks, 5 tokens each
+        n = stop - first
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        chunk = cam.replace(query_start_loc=qsl, query_start_loc_cpu=qsl)
+        step = make_step(plan_for([StepMode.PREFILL], cfg=c, context=[stop]), chunk, lambda s: None)
+        layer.keep_prompt_queries(step, prompt_q[first:stop], 8)
+    req, kept, end = layer.prompt_queries[0]
+    assert req == "r0" and end == 600 and torch.equal(kept, prompt_q[592:600])
+    slow = make_step(plan_for([StepMode.SLOW], cfg=c, context=[ctx]), cam, lambda s: None)
+    layer.refresh(slow, paged, q, layer_idx=0)
+    assert 0 not in layer.prompt_queries  # used once
+    k_all = ks[0].permute(1, 0, 2)
+    ws, kk = window_start(c, ctx), selected_count(c, ctx)
+    probs = torch.cat([attention_probs(q[0], k_all, 0.125), causal_attention_probs(prompt_q[592:600], 600, k_all, 0.125)],
+                      dim=1)
+    want = Selector(c.selector).select(probs, k_all[:, 4:ws].norm(dim=-1), 4, ws, kk)
+    got = layer.buffer.get(0, 1).positions[:, 4:]
+    assert torch.equal(got, want)
+    alone = Selector(c.selector).select(attention_probs(q[0], k_all, 0.125), k_all[:, 4:ws].norm(dim=-1), 4, ws, kk)
+    assert not torch.equal(got, alone)  # the window changed the selection
+    # another request in the slot does not read what an earlier one left
+    layer.prompt_queries[0] = ("r-old", prompt_q[592:600], 600)
+    layer.refresh(slow, paged, q, layer_idx=0)
+    assert torch.equal(layer.buffer.get(0, 1).positions[:, 4:], alone)

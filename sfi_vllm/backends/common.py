@@ -25,13 +25,13 @@ from typing import Any, Callable
 
 import torch
 
-from sfi_vllm.attention_ref import attention_probs, fast_step_attention
+from sfi_vllm.attention_ref import attention_probs, causal_attention_probs, fast_step_attention
 from sfi_vllm.compact import CompactBuffer, PackedCompactBuffer, RowGeometry
 from sfi_vllm.controller import SFIController, StepPlan
 from sfi_vllm.host_copy import copy_to_device, rows_to_device, tensor_to_device, to_device
 from sfi_vllm.paged_kv import PagedKV
 from sfi_vllm.selector import Selector, candidate_page_mask, quest_page_bounds
-from sfi_vllm.trigger import StepMode
+from sfi_vllm.trigger import FIRST_SELECTION, StepMode
 
 logger = logging.getLogger("sfi_vllm")
 
@@ -323,6 +323,9 @@ class SFILayer:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self._selectors: dict = {}
+        # sfi.experimental.prompt_window: per slot, (request id, the last queries of its prompt
+        # (n, Hq, D) float32, the position after the last), kept until its first selection
+        self.prompt_queries: dict[int, tuple[str, torch.Tensor, int]] = {}
 
     def selector(self, cfg) -> Selector:
         sel = self._selectors.get(cfg.selector)
@@ -335,6 +338,36 @@ class SFILayer:
         if plan.refresh_all[row] or not plan.configs[row].layer_interleaved_refresh:
             return True
         return (layer_idx + plan.slow_counts[row]) % 2 == 0
+
+    def keep_prompt_queries(self, step: SFIStep, query: torch.Tensor, window: int) -> None:
+        """Keep the last ``window`` queries of each prefill row's prompt so far (``query (T, Hq, D)``,
+        this step's); a chunk that continues the kept tokens of the same request extends them."""
+        plan = step.plan
+        assert step.row_first is not None and step.row_end is not None
+        for i in range(plan.num_reqs):
+            if plan.modes[i] != StepMode.PREFILL:
+                continue
+            first, end = step.row_first[i], step.row_end[i]
+            n = end - first
+            if n <= 0:
+                continue
+            stop = step.seq_lens[i]  # this chunk holds positions stop - n .. stop - 1
+            tail = query[end - min(window, n):end].float().clone()
+            kept = self.prompt_queries.get(plan.slots[i])
+            if kept is not None and kept[0] == plan.req_ids[i] and kept[2] == stop - n and n < window:
+                tail = torch.cat([kept[1], tail])[-window:]
+            self.prompt_queries[plan.slots[i]] = (plan.req_ids[i], tail, stop)
+
+    def _prompt_window_probs(self, step: SFIStep, row: int, keys: torch.Tensor) -> torch.Tensor | None:
+        """The kept prompt queries' attention over ``keys`` at row ``row``'s first selection (and
+        forget them); None: not a first selection, or none kept."""
+        plan = step.plan
+        if not plan.configs[row].experimental.prompt_window or plan.reasons[row] not in FIRST_SELECTION:
+            return None
+        kept = self.prompt_queries.pop(plan.slots[row], None)
+        if kept is None or kept[0] != plan.req_ids[row] or kept[2] > keys.shape[1]:
+            return None
+        return causal_attention_probs(kept[1], kept[2], keys, self.scale)
 
     def refresh(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, layer_idx: int) -> None:
         """Re-select and repack the compact set of every slow row that refreshes this layer."""
@@ -351,6 +384,9 @@ class SFILayer:
                 keys, _ = paged.gather_range(bt, 0, ctx, want_values=False)
                 q = query[step.row_token[row]].view(self.num_heads, self.head_size)
                 probs = attention_probs(q, keys, self.scale)
+                window_probs = self._prompt_window_probs(step, row, keys)
+                if window_probs is not None:  # the prompt's last queries join the evidence
+                    probs = torch.cat([probs, window_probs], dim=1)
                 norms = keys[:, sinks:ws].float().norm(dim=-1)
                 candidates = None
                 if cfg.experimental.candidate_pages and cfg.selector.page_size > 1:
@@ -694,6 +730,9 @@ class SFIImplMixin:
                 dense(layer, query[idx].contiguous(), key[idx].contiguous(),
                       value[idx].contiguous(), kv_cache, step.kernel_metadata, sub_out)
                 output[idx] = sub_out
+        window = self.sfi_controller.cfg.experimental.prompt_window
+        if window and len(step.slow_rows) + len(step.fast_rows) < step.plan.num_reqs:  # prefill rows
+            self.sfi.keep_prompt_queries(step, query.view(-1, self.num_heads, self.head_size), window)
         if step.slow_rows or step.fast_rows:
             q = query.view(-1, self.num_heads, self.head_size)
             out = output.view(-1, self.num_heads, self.head_size)

