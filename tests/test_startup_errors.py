@@ -291,3 +291,29 @@ def test_report_checks_its_files_before_computing(tmp_path, capsys):
     raw.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0}\n')
     assert cli.main(["report", str(rows), str(tmp_path / "rep"), "--raw", str(raw)]) == 2
     assert "not the records of sfi-vllm eval --raw: a record has no 'index' field" in capsys.readouterr().err
+
+
+def test_reference_path_options_are_refused_with_the_gpu_kernels(monkeypatch):
+    """experimental.candidate_pages and prompt_window exist on the torch reference path only: on a
+    CUDA platform with the kernels, start-up names each (with sfi.kernels torch they pass)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from sfi_vllm.patches.config_check import SFIStartupError, check_sfi_engine
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *a: True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+    def engine(**sfi):
+        return SimpleNamespace(additional_config={"sfi": sfi}, model_config=None, speculative_config=None,
+                               cache_config=SimpleNamespace(cache_dtype="auto"))
+
+    with pytest.raises(SFIStartupError) as e:
+        check_sfi_engine(engine(experimental={"prompt_window": 32, "candidate_pages": 2}))
+    assert "sfi.experimental.prompt_window runs on the torch reference path only" in str(e.value)
+    assert "sfi.experimental.candidate_pages runs on the torch reference path only" in str(e.value)
+    try:
+        check_sfi_engine(engine(kernels="torch", experimental={"prompt_window": 32, "candidate_pages": 2}))
+    except SFIStartupError as err:
+        assert "reference path" not in str(err)
