@@ -317,3 +317,19 @@ def test_reference_path_options_are_refused_with_the_gpu_kernels(monkeypatch):
         check_sfi_engine(engine(kernels="torch", experimental={"prompt_window": 32, "candidate_pages": 2}))
     except SFIStartupError as err:
         assert "reference path" not in str(err)
+
+
+def test_output_folders_are_made_before_a_command_runs(tmp_path):
+    """A long eval or suite run does not end on a missing output folder: main makes the folders of
+    its output files first; one that cannot be made is a usage error before anything runs."""
+    from sfi_vllm.tools.cli import UsageError, build_parser, make_output_dirs
+
+    args = build_parser().parse_args(["eval", "--out", str(tmp_path / "a" / "rows.jsonl"),
+                                      "--raw", str(tmp_path / "b" / "c" / "raw.jsonl")])
+    make_output_dirs(args)
+    assert (tmp_path / "a").is_dir() and (tmp_path / "b" / "c").is_dir()
+    make_output_dirs(build_parser().parse_args(["report", "rows.jsonl", str(tmp_path / "d" / "table")]))
+    assert (tmp_path / "d").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="--out: cannot make the folder"):
+        make_output_dirs(build_parser().parse_args(["suite", "--out", str(tmp_path / "file" / "x" / "s.jsonl")]))

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS
@@ -466,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the full results here")
     demo.add_argument("--cache-dir", default=None, help="where the model and texts are kept (default: "
                       "sfi-vllm prepare-model's cache)")
-    demo.set_defaults(func=_cmd_demo, in_process_engine=True)
+    demo.set_defaults(func=_cmd_demo, in_process_engine=True, outputs=("json",))
 
     from sfi_vllm.tools.policies import POLICIES
 
@@ -518,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-open", type=_positive_int, default=None, help="with --flow (default: --max-num-seqs / 2)")
     ev.add_argument("--first-sample", type=_non_negative_int, default=0,
                     help="skip samples of lower index (extend an earlier run; merge with `sfi-vllm rescore`)")
-    ev.set_defaults(func=_cmd_eval)
+    ev.set_defaults(func=_cmd_eval, outputs=("out", "raw", "report", "stream"))
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
     su.add_argument("--contexts", type=suite_contexts, default="2048",
@@ -528,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--model", default=None, help="a prepared model directory (its tokenizer sizes the prompts)")
     su.add_argument("--out", required=True, help="JSON lines; .xz: compressed")
-    su.set_defaults(func=_cmd_suite)
+    su.set_defaults(func=_cmd_suite, outputs=("out",))
 
     from sfi_vllm.tools.quality.fidelity import DEFAULT_INSTRUCTION, DEFAULT_POLICIES
 
@@ -555,13 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--from-raw", default=None, metavar="RAW",
                      help="no engine: summarize a --raw file (.jsonl or .jsonl.xz) of an earlier run into --out "
                           "(and --report, with the table of sfi minus each policy paired by document)")
-    fid.set_defaults(func=_cmd_fidelity)
+    fid.set_defaults(func=_cmd_fidelity, outputs=("out", "raw", "report"))
 
     rs = sub.add_parser("rescore", help="eval's rows from one or more --raw files (e.g. runs over disjoint samples)")
     rs.add_argument("raw", help="eval --raw files, comma-separated")
     rs.add_argument("--out", required=True, help="rows as eval --out writes them")
     rs.add_argument("--merged-raw", default=None, help="also write the merged per-request records here")
-    rs.set_defaults(func=_cmd_rescore)
+    rs.set_defaults(func=_cmd_rescore, outputs=("out", "merged_raw"))
 
     rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")
     rep.add_argument("jsonl")
@@ -570,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--command", dest="results_command", default=None,
                      help="the command that produced the results")
     rep.add_argument("--raw", default=None, help="eval's --raw file: adds SFI-minus-policy paired differences")
-    rep.set_defaults(func=_cmd_report)
+    rep.set_defaults(func=_cmd_report, outputs=("prefix",))
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
     cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")
@@ -604,11 +605,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def make_output_dirs(args: argparse.Namespace) -> None:
+    """Create the folders of the command's output files (``outputs``: their argument names) before
+    it runs, as ``batch`` does for its output: a run of many minutes does not end on a missing
+    folder. A path that cannot be made a folder is a usage error."""
+    for name in getattr(args, "outputs", ()):
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        parent = Path(value).parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            flag = "PREFIX" if name == "prefix" else "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: cannot make the folder {str(parent)!r}: {e.strerror or e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from sfi_vllm.startup_errors import report, tracebacks_wanted
 
     args = build_parser().parse_args(argv)
     try:
+        make_output_dirs(args)
         rc = args.func(args)
         sys.stdout.flush()  # a reader of the output that left shows here, not at the interpreter's exit
         if getattr(args, "in_process_engine", False) and argv is None:
