@@ -608,7 +608,7 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
         raise SFIConfigError(f"{what}: file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
         raise SFIConfigError(f"{what}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, RecursionError, ValueError) as e:  # nesting or integers past the parser's limits
         raise SFIConfigError(f"{what}: {path} is not valid YAML: {e}") from None
     if data is None:
         return {}

@@ -147,6 +147,7 @@ class SFIController:
         self.free_compact = list(range(self.compact_slots - 1, -1, -1))
         self.free_plain = list(range(self.num_slots - 1, self.compact_slots - 1, -1))
         self.pool_full_requests = 0  # requests that found every compact set taken
+        self.stats.note_pool(0, self.compact_slots)  # the pool's gauges read from start-up, not the first step
         self.buffers: list[CompactBuffer] = []
         self.layers: list = []  # SFILayer, in construction order (index = its buffer's)
         # the kernel path's device resources and its part of planning and ending a step

@@ -208,7 +208,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                 raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
             except _DuplicateKey as e:
                 raise SFIRequestError(f"{name}: {e}; give each setting once", name) from None
-            except ValueError as e:  # json.JSONDecodeError, or a number JSON parsing refuses
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, numbers or nesting past the parser's limits
                 raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
         if not isinstance(raw, Mapping):

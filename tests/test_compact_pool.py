@@ -70,8 +70,14 @@ def _controller(slots_gib, n):
 
 def test_a_full_pool_runs_the_request_densely_and_counts_it():
     per_seq = compact_bytes_per_slot(30, 3, 36, 64, 4, False)  # CPU: float32, one set
+    from sfi_vllm.metrics import worker_metrics
+
+    gauges = worker_metrics().compact_sets_in_use, worker_metrics().compact_sets
+    for g in gauges:
+        g.set(-1)  # whatever an earlier controller of this process left
     ctl = _controller(2.5 * per_seq / GiB, n=4)  # room for two compact sets
     assert ctl.compact_slots == 2
+    assert [g._value.get() for g in gauges] == [0, 2]  # from start-up, before any step
     metric = ctl.stats.metrics.fallbacks.labels(reason="compact_pool_full")
     before = metric._value.get()
     dense = [{"sfi_policy": "dense"}]

@@ -109,6 +109,12 @@ def test_batch_files_are_read_as_json_lines_and_checked_before_the_engine(tmp_pa
     for text in ('[' * 100_000 + ']' * 100_000, '{"id": "a", "prompt": "x", "n": ' + '9' * 5000 + '}'):
         with pytest.raises(LineError, match="not valid JSON"):
             parse_line(text, 7)
+    # ... and so is an SFI settings string nested past the parser's depth
+    sfi_deep = json.dumps({"custom_id": "d", "url": "/v1/completions",
+                           "body": {"prompt": "a", "vllm_xargs": {"sfi": '{"a": ' * 5000 + "1" + "}" * 5000}}})
+    with pytest.raises(LineError, match="not valid JSON") as e:
+        parse_line(sfi_deep, 8)
+    assert e.value.args[0] == "d"  # the line keeps its id
     deep = tmp_path / "deep.jsonl"
     deep.write_text('[' * 100_000 + ']' * 100_000 + '\n{"id": "b", "prompt": "x"}\n')
     assert [n for n, _ in read_input_lines(deep)] == [1, 2]

@@ -103,6 +103,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
      "preset 'speed'; the request may set it as well (sfi_reuse_budget)"),
     # a number JSON parsing refuses is no duplicate key
     ({"sfi": '{"reuse_budget": ' + "1" * 5000 + "}"}, "vllm_xargs.sfi", "not valid JSON"),
+    # nesting past the parser's depth (RecursionError) is a malformed string, not a server error
+    ({"sfi": "[" * 100_000}, "vllm_xargs.sfi", "not valid JSON"),
+    ({"sfi": '{"a": ' * 5000 + "1" + "}" * 5000}, "vllm_xargs.sfi", "not valid JSON"),
     # a key twice in the JSON string (json.loads alone would keep the last without a word)
     ({"sfi": '{"selected_tokens": 16, "selected_tokens": 32}'}, "vllm_xargs.sfi", "'selected_tokens' is given twice"),
     ({"sfi": '{"selector": {"alpha": 1, "alpha": 2}}'}, "vllm_xargs.sfi", "'alpha' is given twice"),

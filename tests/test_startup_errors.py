@@ -333,3 +333,25 @@ def test_output_folders_are_made_before_a_command_runs(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match="--out: cannot make the folder"):
         make_output_dirs(build_parser().parse_args(["suite", "--out", str(tmp_path / "file" / "x" / "s.jsonl")]))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[" * 5000, "--sfi: not valid JSON (maximum recursion depth"),  # nesting past the parser's depth
+    ('{"sinks": ' + "1" * 5000 + "}", "--sfi: not valid JSON (Exceeds the limit"),  # an integer past Python's
+    ('{"sinks": 1, "sinks": 2}', "--sfi: the key 'sinks' is given twice"),
+])
+def test_cli_json_that_the_parser_refuses_is_a_usage_error(text, needle, capsys):
+    from sfi_vllm.tools.cli import main
+
+    assert main(["config", "--sfi", text]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_an_sfi_config_file_the_yaml_parser_refuses_names_the_file(tmp_path, monkeypatch):
+    from sfi_vllm.config import build_config
+
+    for name, text in (("deep.yaml", "a: " + "[" * 5000), ("big.yaml", "sinks: " + "1" * 5000)):
+        (tmp_path / name).write_text(text)
+        monkeypatch.setenv("SFI_CONFIG", str(tmp_path / name))
+        with pytest.raises(SFIConfigError, match=f"SFI_CONFIG: .*{name} is not valid YAML"):
+            build_config({})

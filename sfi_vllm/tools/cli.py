@@ -36,7 +36,9 @@ def _json_arg(text: str | None, flag: str) -> dict:
 
     try:
         value = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
+    except UsageError:  # a key given twice (UsageError is a ValueError)
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and numbers or nesting past the parser's limits
         raise UsageError(f"{flag}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise UsageError(f"{flag}: must be a JSON object")
