@@ -281,3 +281,37 @@ def test_an_engine_failure_fails_the_eval_and_keeps_an_earlier_output(tmp_path, 
     with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
         run_eval(policies=["dense"], contexts=[16384], tasks=TASKS, out=str(out), model=str(model),
                  suite=str(suite), dtype="float32")
+
+
+def test_requests_that_fell_back_to_dense_for_a_full_pool_are_not_scored(tmp_path, monkeypatch):
+    """On the GPU a request that finds every compact set taken runs densely: scored, it would credit
+    dense's answer to its policy. The eval leaves its sample out and fails the run, saying why."""
+    import sfi_vllm.tools.engine_job as engine_job
+    from sfi_vllm.tools.quality.runner import run_eval, without_pool_fallbacks
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    suite = tmp_path / "suite.jsonl"
+    save_suite(samples(), suite)
+    out, raw = tmp_path / "q.jsonl", tmp_path / "raw.jsonl"
+
+    def engine_runs(job, env=None, quiet=False):
+        outs, stats = [], {}
+        for i, _ in enumerate(job.requests):
+            outs.append(dict(request_id=str(i), prompt_tokens=10, text="no idea", token_ids=[1, 2], finish_reason="stop"))
+            stats[str(i)] = dict(fallback="compact_pool_full") if i == len(job.requests) - 1 else {}
+        return dict(outputs=outs, sfi_stats=stats, skipped=0, load_s=0.0, generate_s=0.0)
+
+    monkeypatch.setattr(engine_job, "run_engine_job", engine_runs)
+    with pytest.raises(RuntimeError, match="1 of 18 requests ran with dense attention because every compact set "
+                                           "was taken"):
+        run_eval(policies=["dense", "sfi"], contexts=[2048], tasks=TASKS, n=3, out=str(out), raw_out=str(raw),
+                 model=str(model), suite=str(suite), dtype="float32", progress=False, retentions=(0.1, 0.2))
+    per = [json.loads(line) for line in raw.read_text().splitlines()]
+    assert len(per) == 15 and all(p["fallback"] is None for p in per)  # the sample's three requests left out
+    assert out.read_text()  # the other samples' rows
+    kept, fell = without_pool_fallbacks([dict(task="t", context=1, index=0, fallback="compact_pool_full"),
+                                         dict(task="t", context=1, index=0, fallback=None),
+                                         dict(task="t", context=1, index=1, fallback=None)])
+    assert fell == 1 and [p["index"] for p in kept] == [1]

@@ -15,6 +15,11 @@
 # 0 is the engine's own working set: sinks 4 + K 2048 + window 256), ABLATIONS (default the default
 # sfi's ablations), TAG (output name, default quality-h200).
 # SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}'.
+# MAX_NUM_SEQS (default 512) and MAX_OPEN (default 256): the engine's max_num_seqs and the samples
+# open at once. The compact-set pool must hold a set for every running SFI request, or requests run
+# densely and the eval fails the run (sfi.compact_memory_gib, default 10% of the GPU: 89 of
+# SmolLM2's 90-MiB sets on an H100, about 158 on an H200); e.g. MAX_NUM_SEQS=256 with
+# SFI_ENGINE_KWARGS='{"additional_config": {"sfi": {"compact_memory_gib": 25}}}'.
 # TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
 # about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
 # first be converted from the GGUF). FIRST_SAMPLE > 0 extends an earlier run with the samples from
@@ -43,7 +48,7 @@ python3 -m sfi_vllm.tools.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/
   --contexts 2048,4096,8192 --samples "${SAMPLES:-120}" --first-sample "$FIRST" --no-progress \
   --policies "${POLICIES:-dense,sfi@0/0.1/0.2,sfi-paper@0.1/0.2,quest@0.2,snapkv@0.2,streaming@0.2}" --retentions "${RETENTIONS:-0,0.2}" \
   --ablations "${ABLATIONS:-sfi-no-bridge,sfi-no-follow,sfi-bridge-32,sfi-nms}" --ablation-samples "$ABL" \
-  --flow --max-num-seqs 512 --max-open 256 --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
+  --flow --max-num-seqs "${MAX_NUM_SEQS:-512}" --max-open "${MAX_OPEN:-256}" --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
   --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
 rc=${PIPESTATUS[0]}
 echo "eval exit $rc after $(( $(date +%s) - t_start )) s"

@@ -135,7 +135,8 @@ def per_request(keys: list[tuple], res: dict[str, Any], tokens: int) -> list[dic
         o = outs[i]
         st = res["sfi_stats"].get(o["request_id"], {})
         rec: dict[str, Any] = dict(kind=kind, policy=pol, retention=r, context=ctx, doc=d,
-                                   prompt_tokens=o["prompt_tokens"], config_error=st.get("config_error"))
+                                   prompt_tokens=o["prompt_tokens"], config_error=st.get("config_error"),
+                                   fallback=st.get("fallback"))
         if kind == "free-dense":
             rec.update(token_ids=o["token_ids"], text=o["text"], finish_reason=o["finish_reason"])
         elif kind == "free":
@@ -164,6 +165,11 @@ def per_request(keys: list[tuple], res: dict[str, Any], tokens: int) -> list[dic
     errors = [p for p in recs if p["config_error"]]
     if errors:
         raise RuntimeError(f"{len(errors)} requests had a bad SFI config: {errors[0]['config_error']}")
+    fell_back = sum(p["fallback"] == "compact_pool_full" for p in recs)
+    if fell_back:
+        from sfi_vllm.tools.quality.runner import pool_full_message
+
+        raise RuntimeError(pool_full_message(fell_back, len(recs)))
     return recs
 
 

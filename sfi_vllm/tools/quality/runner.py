@@ -210,8 +210,27 @@ def per_request(samples, keys, res) -> tuple[list[dict], int]:
                         decode_attended_fraction=st.get("decode_attended_fraction"),
                         fast_steps=st.get("fast_steps", 0), slow_steps=st.get("slow_steps", 0),
                         slow_reasons=st.get("slow_reasons", {}), dense_steps=st.get("dense_steps", 0),
-                        decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error")))
+                        decode_steps=st.get("decode_steps", 0), config_error=st.get("config_error"),
+                        fallback=st.get("fallback")))
     return per, len(missing)
+
+
+def pool_full_message(fell_back: int, total: int) -> str:
+    """Why a quality run's numbers cannot stand when ``fell_back`` of its ``total`` requests ran
+    densely for a full compact-set pool (their scores would be dense's, credited to the policy)."""
+    return (f"{fell_back} of {total} requests ran with dense attention because every compact set was taken "
+            "(the GPU's compact-set pool, sfi.compact_memory_gib, held fewer sets than requests ran at once): "
+            "their scores would be dense's. Give the pool a set for each of --max-num-seqs requests "
+            "(--engine-kwargs '{\"additional_config\": {\"sfi\": {\"compact_memory_gib\": GIB}}}'; the "
+            "engine's start-up log gives the size of one set) or lower --max-num-seqs")
+
+
+def without_pool_fallbacks(per: list[dict]) -> tuple[list[dict], int]:
+    """``per`` without the samples of which a request ran densely for a full compact-set pool
+    (scored, the sample would credit dense's answer to the policy), and how many requests did."""
+    fell = [p for p in per if p.get("fallback") == "compact_pool_full"]
+    bad = {(p["task"], p["context"], p["index"]) for p in fell}
+    return [p for p in per if (p["task"], p["context"], p["index"]) not in bad], len(fell)
 
 
 def aggregate(per: list[dict]) -> list[dict[str, Any]]:
@@ -417,6 +436,11 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     per, dropped = per_request(samples, keys, res)
     if dropped:
         print(f"{dropped} of {len(samples)} samples not (fully) run: left out of the scores", flush=True)
+    total = len(per)
+    per, fell_back = without_pool_fallbacks(per)
+    if fell_back:
+        print(f"{pool_full_message(fell_back, total)}. The samples of those requests are left out of the raw "
+              "records and the scores", flush=True)
     if raw_out:
         write_jsonl(raw_out, per)
     rows = aggregate(per)
@@ -430,4 +454,6 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     errors = [p for p in per if p["config_error"]]
     if errors:
         raise RuntimeError(f"{len(errors)} requests had a bad SFI config: {errors[0]['config_error']}")
+    if fell_back:
+        raise RuntimeError(f"{pool_full_message(fell_back, total)}; {out} holds the samples without them")
     return rows
