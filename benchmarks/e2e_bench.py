@@ -206,6 +206,10 @@ def _timed(llm, prompts, one, full, sfi, spec, name, batch, context, new_tokens,
         if spec is not None:  # tokens per verify step, as the SFI statistics count them
             res["tokens_per_verify"] = round((after[5] - before[5] + after[6] - before[6])
                                              / max(after[6] - before[6], 1), 3)
+        if after[7] > before[7]:  # their steps were dense: the row does not measure SFI
+            res["dense_fallbacks"] = after[7] - before[7]
+            print(f"WARNING: {after[7] - before[7]} requests of {name} ran with dense attention (a full compact-set "
+                  "pool, sfi.compact_memory_gib, or a bad config): this row does not measure SFI", flush=True)
         res.update(slow_step_rate=round(slow / max(dec, 1), 4),
                    dense_step_rate=round((after[4] - before[4]) / max(dec, 1), 4),
                    attended_fraction=round((after[2] - before[2]) / max(after[3] - before[3], 1), 4))
@@ -326,7 +330,8 @@ def _fused_score_misses() -> int | None:
 
 def _stats_totals(llm) -> tuple[int, ...]:
     """Summed over requests: slow steps, decode steps, fast attended and context tokens, dense
-    steps, accepted drafts, verify steps."""
+    steps, accepted drafts, verify steps, requests that ran densely instead (a full compact-set
+    pool, a bad config)."""
     from sfi_vllm.controller import current_controller
     from sfi_vllm.tools.engine_job import _worker_sfi_info
 
@@ -339,7 +344,7 @@ def _stats_totals(llm) -> tuple[int, ...]:
     return (sum(s["slow_steps"] for s in st), sum(s["decode_steps"] for s in st),
             sum(s["fast_attended_tokens"] for s in st), sum(s["fast_context_tokens"] for s in st),
             sum(s["dense_steps"] for s in st), sum(s.get("accepted_tokens", 0) for s in st),
-            sum(s.get("verify_steps", 0) for s in st))
+            sum(s.get("verify_steps", 0) for s in st), sum(bool(s.get("fallback")) for s in st))
 
 
 def attention_times(batch: int, context: int) -> dict:

@@ -83,6 +83,8 @@ for MODE in ${MODES:-dense sfi}; do
     "(full log: $LOG)"
   if [ "$MODE" = sfi ]; then  # the log has the first 20 captures and then every 100th; the metric has all
     grep '^sfi_cuda_graph_runs_total' "$OUT/serve-bench-$SET-metrics.txt"
+    # requests that ran densely instead of SFI (a full compact-set pool, a bad config): not SFI's speed
+    grep '^sfi_request_fallbacks_total' "$OUT/serve-bench-$SET-metrics.txt"
   fi
   if [ "$MODE" = sfi ]; then rm -rf "$PROMETHEUS_MULTIPROC_DIR"; unset PROMETHEUS_MULTIPROC_DIR; fi
 done

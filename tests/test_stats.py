@@ -218,3 +218,27 @@ def test_the_callers_id_is_kept_whole_where_vllm_adds_no_suffix(monkeypatch):
     assert external_request_id("batch-7-0a1b2c3d") == "batch-7"
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")  # vLLM then uses the caller's id as is
     assert external_request_id("batch-7-0a1b2c3d") == "batch-7-0a1b2c3d"
+
+
+def test_the_speed_benchmark_counts_requests_that_ran_densely(monkeypatch):
+    """benchmarks/e2e_bench.py flags a row whose requests fell back to dense attention (a full
+    compact-set pool): their steps were dense, so the row would not measure SFI."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import sfi_vllm.controller as controller
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import e2e_bench
+
+    def req(fallback):
+        d = dict(slow_steps=1, decode_steps=9, fast_attended_tokens=5, fast_context_tokens=50, dense_steps=0,
+                 fallback=fallback)
+        return SimpleNamespace(to_dict=lambda: d)
+
+    snapshot = {"a": req(None), "b": req("compact_pool_full"), "c": req("config_error")}
+    ctl = SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: snapshot))
+    monkeypatch.setattr(controller, "current_controller", lambda: ctl)
+    totals = e2e_bench._stats_totals(llm=None)
+    assert totals[:2] == (3, 27) and totals[7] == 2
