@@ -315,3 +315,18 @@ def test_requests_that_fell_back_to_dense_for_a_full_pool_are_not_scored(tmp_pat
                                          dict(task="t", context=1, index=0, fallback=None),
                                          dict(task="t", context=1, index=1, fallback=None)])
     assert fell == 1 and [p["index"] for p in kept] == [1]
+
+
+def test_quality_engines_refuse_a_pool_smaller_than_their_batch():
+    """A quality run's engine job stops before generating when the compact-set pool holds fewer
+    sets than max_num_seqs (requests beyond it would run densely); the CPU's pool holds every
+    sequence, and workers in other processes are checked when the run is scored."""
+    from types import SimpleNamespace
+
+    from sfi_vllm.tools.engine_job import EngineJob, check_compact_sets
+
+    assert EngineJob(model="m").require_compact_sets is False
+    check_compact_sets(None)
+    check_compact_sets(SimpleNamespace(compact_slots=8, num_slots=8))
+    with pytest.raises(RuntimeError, match="the compact-set pool holds 89 sets for max_num_seqs 512"):
+        check_compact_sets(SimpleNamespace(compact_slots=89, num_slots=512))

@@ -93,6 +93,9 @@ class EngineJob:
     # still runs at the limit is aborted (no output). ``stream_out``: each finished request is
     # appended as it finishes.
     max_open: int | None = None
+    # Quality runs: refuse to generate when the compact-set pool (GPU) holds fewer sets than
+    # max_num_seqs, so that no SFI request can run densely and be scored as its policy
+    require_compact_sets: bool = False
 
 
 def _run(job: EngineJob) -> dict[str, Any]:
@@ -118,6 +121,10 @@ def _run(job: EngineJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     t_load = time.perf_counter() - t0
+    if job.require_compact_sets and job.attention_backend:
+        from sfi_vllm.controller import current_controller
+
+        check_compact_sets(current_controller())
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
     skipped = 0
@@ -227,6 +234,19 @@ def _controller_info(ctl: Any) -> dict[str, Any]:
                 boundary_enders=sorted(ctl.boundary.enders) if ctl.boundary else [],
                 boundary_skips=sorted(ctl.boundary.skips) if ctl.boundary else [],
                 config=ctl.cfg.model_dump())
+
+
+def check_compact_sets(ctl: Any) -> None:
+    """Raise if the engine's compact-set pool holds fewer sets than it runs requests at once
+    (``ctl``: its in-process controller; None, the workers in other processes: not checked here,
+    a quality run still refuses the requests that ran densely when it scores them)."""
+    if ctl is None or ctl.compact_slots >= ctl.num_slots:
+        return
+    raise RuntimeError(
+        f"the compact-set pool holds {ctl.compact_slots} sets for max_num_seqs {ctl.num_slots}: SFI requests "
+        "beyond them would run with dense attention and be scored as their policies. Give the pool a set for "
+        "each request (--engine-kwargs '{\"additional_config\": {\"sfi\": {\"compact_memory_gib\": GIB}}}'; "
+        "the start-up log gives the size of one set) or lower --max-num-seqs")
 
 
 def _worker_sfi_info(worker: Any) -> dict[str, Any] | None:

@@ -340,6 +340,7 @@ def run_fidelity(policies=DEFAULT_POLICIES, retentions=(0.1, 0.2), contexts=(204
     eng.update(user)
     t0 = time.time()
     res = run_engine_job(EngineJob(model=model, requests=reqs, attention_backend="sfi", sfi=sfi,
+                                   require_compact_sets=True,
                                    engine_kwargs=eng, progress=progress, collect=[COLLECT]),
                          env={} if _cuda() else cpu_engine_env(kv_cache_gib), quiet=not progress)
     print(f"engine finished in {time.time() - t0:.0f} s (generate {res['generate_s']:.0f} s)", flush=True)

@@ -417,6 +417,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             Path(stream).unlink()
         t0 = time.time()
         job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi=sfi, engine_kwargs=eng,
+                        require_compact_sets=True,
                         progress=progress, phase_group=2, time_limit_s=time_limit_s, stream_out=stream,
                         max_open=max_open if flow else None)
         failure = None
