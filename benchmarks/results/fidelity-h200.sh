@@ -8,6 +8,9 @@
 # CONTEXTS=2048,4096 (env) runs a subset of the contexts (default 2048,4096,8192); POLICIES and
 # RETENTIONS (env) as for `sfi-vllm fidelity` (defaults: dense, sfi, sfi-paper and the three
 # baselines at 10% and 20%).
+# MAX_NUM_SEQS (default 256) and COMPACT_GIB (default 25: sfi.compact_memory_gib, through
+# $SFI_CONFIG): the pool must hold a set for each of MAX_NUM_SEQS requests (about 97 MiB each for
+# SmolLM2 at these budgets), or fidelity refuses to run (requests beyond it would run densely).
 # One engine, three phases of TOKENS + 1 steps each (dense free-running; dense teacher-forced: the
 # reference; every policy teacher-forced and free-running). Writes to $OUT: fidelity-h200.jsonl,
 # fidelity-h200-raw.jsonl.xz, fidelity-h200.md, fidelity.log.
@@ -17,6 +20,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 SFI_VLLM_CACHE=$PWD/.gpu-d
 OUT=${OUT:-/tmp/f-out}; mkdir -p "$OUT"
 DOCS=${1:-12}; T=${2:-256}; CONTEXTS=${CONTEXTS:-2048,4096,8192}
 M=/tmp/sfi-smol
+printf 'compact_memory_gib: %s\n' "${COMPACT_GIB:-25}" > /tmp/sfi-fidelity.yaml
+export SFI_CONFIG=/tmp/sfi-fidelity.yaml
 t_start=$(date +%s)
 if [ ! -f $M/config.json ]; then
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_smoke import convert; convert('/tmp/sfi-model/SmolLM2-135M-Instruct.Q4_1.gguf', Path('$M'))" \
@@ -25,7 +30,7 @@ if [ ! -f $M/config.json ]; then
 fi
 python3 -m sfi_vllm.tools.cli fidelity --model $M --contexts "$CONTEXTS" --docs "$DOCS" --tokens "$T" \
   --policies "${POLICIES:-dense,sfi,sfi-paper,streaming,snapkv,quest}" --retentions "${RETENTIONS:-0.1,0.2}" \
-  --max-num-seqs 512 --gpu-memory-utilization 0.85 \
+  --max-num-seqs "${MAX_NUM_SEQS:-256}" --gpu-memory-utilization 0.85 \
   --out "$OUT/fidelity-h200.jsonl" --raw /tmp/fidelity-h200-raw.jsonl --report "$OUT/fidelity-h200.md" \
   > "$OUT/fidelity.log" 2>&1
 rc=$?

@@ -15,11 +15,11 @@
 # 0 is the engine's own working set: sinks 4 + K 2048 + window 256), ABLATIONS (default the default
 # sfi's ablations), TAG (output name, default quality-h200).
 # SFI_ENGINE_KWARGS: JSON passed as `eval --engine-kwargs`, e.g. '{"enforce_eager": false}'.
-# MAX_NUM_SEQS (default 512) and MAX_OPEN (default 256): the engine's max_num_seqs and the samples
-# open at once. The compact-set pool must hold a set for every running SFI request, or requests run
-# densely and the eval fails the run (sfi.compact_memory_gib, default 10% of the GPU: 89 of
-# SmolLM2's 90-MiB sets on an H100, about 158 on an H200); e.g. MAX_NUM_SEQS=256 with
-# SFI_ENGINE_KWARGS='{"additional_config": {"sfi": {"compact_memory_gib": 25}}}'.
+# MAX_NUM_SEQS (default 256) and MAX_OPEN (default 128): the engine's max_num_seqs and the samples
+# open at once. COMPACT_GIB (default 25): sfi.compact_memory_gib, through $SFI_CONFIG. The pool must
+# hold a set for each of MAX_NUM_SEQS requests (SmolLM2's sets are 90 MiB: 25 GiB hold 283), or the
+# eval refuses to run (requests beyond the pool would run densely and be scored as SFI); the
+# default pool, 10% of the GPU, holds 89 on an H100.
 # TIME_LIMIT_S (default 440) is generation time after the engine has started; the whole call takes
 # about TIME_LIMIT_S + 90 s (imports, suite, engine start, scoring; + ~45 s if /tmp/sfi-smol must
 # first be converted from the GGUF). FIRST_SAMPLE > 0 extends an earlier run with the samples from
@@ -44,11 +44,13 @@ if [ ! -f $M/config.json ]; then  # convert the GGUF in its own process (a conve
   echo "converted in $(( $(date +%s) - t_start )) s"
 fi
 S=.gpu-data/suite
+printf 'compact_memory_gib: %s\n' "${COMPACT_GIB:-25}" > /tmp/sfi-sweep.yaml
+export SFI_CONFIG=/tmp/sfi-sweep.yaml
 python3 -m sfi_vllm.tools.cli eval --model $M --suite $S/suite-2048.jsonl.xz,$S/suite-4096.jsonl.xz,$S/suite-8192.jsonl.xz \
   --contexts 2048,4096,8192 --samples "${SAMPLES:-120}" --first-sample "$FIRST" --no-progress \
   --policies "${POLICIES:-dense,sfi@0/0.1/0.2,sfi-paper@0.1/0.2,quest@0.2,snapkv@0.2,streaming@0.2}" --retentions "${RETENTIONS:-0,0.2}" \
   --ablations "${ABLATIONS:-sfi-no-bridge,sfi-no-follow,sfi-bridge-32,sfi-nms}" --ablation-samples "$ABL" \
-  --flow --max-num-seqs "${MAX_NUM_SEQS:-512}" --max-open "${MAX_OPEN:-256}" --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
+  --flow --max-num-seqs "${MAX_NUM_SEQS:-256}" --max-open "${MAX_OPEN:-128}" --time-limit "$LIMIT" --gpu-memory-utilization 0.85 \
   --stream /tmp/q-stream.jsonl --out "$OUT/$TAG.jsonl" --raw "/tmp/$TAG-raw.jsonl" ${SFI_ENGINE_KWARGS:+--engine-kwargs "$SFI_ENGINE_KWARGS"} 2>&1 | tee "$OUT/eval.log"
 rc=${PIPESTATUS[0]}
 echo "eval exit $rc after $(( $(date +%s) - t_start )) s"
