@@ -9,8 +9,8 @@
 # RETENTIONS (env) as for `sfi-vllm fidelity` (defaults: dense, sfi, sfi-paper and the three
 # baselines at 10% and 20%).
 # MAX_NUM_SEQS (default 256) and COMPACT_GIB (default 25: sfi.compact_memory_gib, through
-# $SFI_CONFIG): the pool must hold a set for each of MAX_NUM_SEQS requests (about 97 MiB each for
-# SmolLM2 at these budgets), or fidelity refuses to run (requests beyond it would run densely).
+# $SFI_CONFIG): the pool must hold a set for each of MAX_NUM_SEQS requests (90 MiB each for
+# SmolLM2 at the default K), or fidelity refuses to run (requests beyond it would run densely).
 # One engine, three phases of TOKENS + 1 steps each (dense free-running; dense teacher-forced: the
 # reference; every policy teacher-forced and free-running). Writes to $OUT: fidelity-h200.jsonl,
 # fidelity-h200-raw.jsonl.xz, fidelity-h200.md, fidelity.log.
