@@ -72,7 +72,7 @@ def _takes_numbers(annotation: Any) -> bool:
 def _refuse_bool_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """A field validator's input, unless it is a boolean (or a list holding one) for a number field:
     pydantic's lax mode would read ``true`` as 1, and a boolean where a count is expected is a
-    mistake, not a count."""
+    mistake, not a count; likewise a string with an underscore (lax mode reads ``"1_0"`` as 10)."""
     field = model.model_fields.get(info.field_name or "")
     if field is None or not _takes_numbers(field.annotation):
         return value
@@ -80,6 +80,8 @@ def _refuse_bool_number(model: type[BaseModel], value: Any, info: ValidationInfo
         raise ValueError(f"expects a number, not the boolean {value!r}")
     if isinstance(value, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in value):
         raise ValueError("expects a list of numbers, and this one holds a boolean")
+    if isinstance(value, str) and "_" in value:  # lax mode would read Python's digit separators: "1_0" as 10
+        raise ValueError(f"expects a number, not the string {value!r} (digit separators are not read)")
     return value
 
 

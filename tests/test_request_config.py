@@ -111,6 +111,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     ({"sfi": '{"selector": {"alpha": 1, "alpha": 2}}'}, "vllm_xargs.sfi", "'alpha' is given twice"),
     # a boolean is not a count (pydantic's lax mode would read true as 1), NaN and infinity are no numbers
     ({"sfi": '{"reuse_budget": true}'}, "vllm_xargs.sfi.reuse_budget", "not the boolean True"),
+    # a string with Python's digit separator is no number here (lax mode would read "1_0" as 10)
+    ({"sfi_selector_alpha": "1_0"}, "vllm_xargs.sfi_selector_alpha", "not the string '1_0' (digit separators"),
+    ({"sfi": '{"selected_tokens": "1_000"}'}, "vllm_xargs.sfi.selected_tokens", "digit separators are not read"),
     ({"sfi_selected_tokens": False}, "vllm_xargs.sfi_selected_tokens", "not the boolean False"),
     ({"sfi_selector_alpha": float("nan")}, "vllm_xargs.sfi_selector_alpha", "finite number"),
     ({"sfi": '{"selector": {"gamma": Infinity}}'}, "vllm_xargs.sfi.selector.gamma", "finite number"),
