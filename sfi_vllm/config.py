@@ -449,7 +449,7 @@ class EngineSettings(_SettingsModel):
 
     # GPU kernel path: kernels, streams, CUDA graphs, buffers.
     kernels: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="GPU fast path: triton kernels (auto on CUDA) or the torch reference"
+        "auto", description="GPU fast path: triton kernels (auto on CUDA; triton without CUDA is refused at start-up) or the torch reference"
     )
     side_stream: bool = Field(
         True,

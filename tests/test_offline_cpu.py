@@ -62,6 +62,7 @@ def test_parse_native_and_openai_batch_lines():
     # a run-batch line names its request by custom_id: an id beside it would name the output record
     # instead, so the two together are an error of the line
     ('{"id": "x", "custom_id": "y", "body": {"prompt": "a"}}', "x", "id and custom_id: give one"),
+    ('{"id": "x", "custom_id": "y", "prompt": "a"}', "x", "id and custom_id: give one"),
     # SFI settings given in two places would be merged or one dropped: refused
     ('{"custom_id": "y", "body": {"prompt": "a", "sfi": {"sinks": 2}, "vllm_xargs": {"sfi_selected_tokens": 16}}}',
      "y", "given twice (body.sfi and body.vllm_xargs)"),
@@ -384,6 +385,38 @@ def test_batch_command(model_dir, tmp_path):
     chat_long = re.match(r"the prompt has (\d+) tokens, more than max_model_len \(1024\):", recs["too-long-chat"]["error"])
     assert chat_long and int(chat_long.group(1)) > 1500, recs["too-long-chat"]
     assert re.search(r"tok/s", proc.stderr) and "9 requests written" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_engine_jobs_import_the_installed_package_from_any_working_directory(tmp_path, monkeypatch):
+    """An engine job runs ``python -m sfi_vllm.tools.engine_job``, which puts the working directory
+    first on sys.path: from a folder that holds another copy of sfi_vllm (an old clone) the job
+    imported that copy. The job's environment keeps the working directory off the path."""
+    from sfi_vllm.tools import engine_job
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(cmd, env, **kwargs):
+        seen.update(cmd=cmd, env=env)
+        raise Stop  # before the engine
+
+    monkeypatch.setattr(engine_job.subprocess, "run", fake_run)
+    with pytest.raises(Stop):
+        engine_job.run_engine_job(engine_job.EngineJob(model="m", prompts=["x"]))
+    monkeypatch.undo()  # the module's subprocess is everyone's
+    shadow = tmp_path / "sfi_vllm"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('a shadow copy of sfi_vllm')\n")
+    (shadow / "version.py").write_text("")
+    probe = [seen["cmd"][0], "-m", "sfi_vllm.version"]  # the job's interpreter and form, a light module
+    proc = subprocess.run(probe, env=seen["env"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain = subprocess.run(probe, env={k: v for k, v in seen["env"].items() if k != "PYTHONSAFEPATH"},
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "a shadow copy of sfi_vllm" in plain.stderr  # what the setting prevents
 
 
 @pytest.mark.engine

@@ -319,6 +319,27 @@ def test_reference_path_options_are_refused_with_the_gpu_kernels(monkeypatch):
         assert "reference path" not in str(err)
 
 
+def test_triton_kernels_are_refused_without_a_gpu(monkeypatch):
+    """sfi.kernels triton asks for the GPU kernels: on a platform without CUDA start-up says so
+    instead of serving on the torch reference path (auto and torch pass)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from sfi_vllm.patches.config_check import SFIStartupError, check_sfi_engine
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *a: False)
+
+    def engine(**sfi):
+        return SimpleNamespace(additional_config={"sfi": sfi}, model_config=None, speculative_config=None,
+                               cache_config=SimpleNamespace(cache_dtype="auto"))
+
+    with pytest.raises(SFIStartupError, match="sfi.kernels triton needs a CUDA GPU"):
+        check_sfi_engine(engine(kernels="triton"))
+    for kernels in ("auto", "torch"):
+        check_sfi_engine(engine(kernels=kernels))
+
+
 def test_output_folders_are_made_before_a_command_runs(tmp_path):
     """A long eval or suite run does not end on a missing output folder: main makes the folders of
     its output files first; one that cannot be made is a usage error before anything runs."""

@@ -85,6 +85,9 @@ def check_sfi_engine(vllm_config) -> None:
     if cfg.experimental.prompt_window and current_platform.is_cuda_alike() and cfg.kernels != "torch":
         problems.append("sfi.experimental.prompt_window runs on the torch reference path only (the GPU kernels "
                         "score one query per slow row): set sfi.kernels torch, or leave it out")
+    if cfg.kernels == "triton" and not current_platform.is_cuda_alike():
+        problems.append("sfi.kernels triton needs a CUDA GPU; this platform runs the torch reference path: "
+                        "set sfi.kernels auto or torch, or leave it out")
     if problems:
         raise SFIStartupError("sfi-vllm cannot serve this configuration: " + "; ".join(problems))
     if cfg.compact_memory_gib is not None and model_config is not None:

@@ -85,8 +85,6 @@ _OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
 
 def _from_openai_batch(data: dict[str, Any]) -> dict[str, Any]:
     """A run-batch (OpenAI batch file) line as a :class:`BatchLine` dict."""
-    if "id" in data and "custom_id" in data:  # other extra keys are ignored, as vLLM's run-batch does
-        raise ValueError("id and custom_id: give one (a run-batch line names its request by custom_id)")
     url = data.get("url")
     if url is not None and url not in _OPENAI_URLS:
         raise ValueError(f"url {url!r}: a batch generates text ({', '.join(sorted(_OPENAI_URLS))})")
@@ -145,6 +143,8 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
         raise LineError(f"line-{lineno}", "a line must be a JSON object")
     rid = _line_id(data, lineno)
     try:
+        if "id" in data and "custom_id" in data:  # in a run-batch line other extra keys are ignored, as vLLM does
+            raise ValueError("id and custom_id: give one (a run-batch line names its request by custom_id)")
         fields = _from_openai_batch(data) if "body" in data else data
         req = BatchLine.model_validate(fields)
         if "body" in data:

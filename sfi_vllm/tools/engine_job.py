@@ -460,7 +460,9 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
     with tempfile.TemporaryDirectory(prefix="sfi-job-") as tmp:
         src, dst = Path(tmp) / "job.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(asdict(job)))
-        full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+        # PYTHONSAFEPATH (Python 3.11+): `-m` would put the working directory first on the child's
+        # sys.path, and a folder holding another copy of sfi_vllm would then shadow the installed one
+        full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONSAFEPATH": "1", **(env or {})}
         full_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         log = Path(tmp) / "log.txt"
         with open(log, "w") as logf:
