@@ -323,7 +323,8 @@ class Policy(_SettingsModel):
                          "reuse_budget: a request that sets reuse_budget below the engine's min_gap must set "
                          "min_gap too")
     dense_below_context: int = Field(
-        0, ge=0, le=1 << 24, description="contexts shorter than this decode densely"
+        0, ge=0, le=1 << 24, description="contexts shorter than this decode densely (lossy mode: a request whose "
+        "prompt plus max_tokens is at most this takes no compact set)"
     )
     layer_interleaved_refresh: bool = Field(
         False, description="a slow step refreshes half of the layers (odd/even alternating)"

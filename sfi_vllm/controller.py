@@ -291,9 +291,14 @@ class SFIController:
                                                               packed and cfg.side_stream)
         return pool
 
-    def _slot(self, req_id: str, extra_args: dict | None = None, phase: int = 0) -> int:
+    def _slot(self, req_id: str, extra_args: dict | None = None, phase: int = 0,
+              max_len: int | None = None) -> int:
         """The slot of ``req_id``, assigned at its first step (``phase``: its prompt's reuse phase
-        key, :func:`sfi_vllm.trigger.prompt_phase`, read only then)."""
+        key, :func:`sfi_vllm.trigger.prompt_phase`, read only then; ``max_len``: the longest its
+        context can grow, None: unknown). A request that needs no compact set takes a slot
+        without one where there is such a slot: the dense policy, and in the lossy mode one whose
+        context stays below ``dense_below_context`` to its last token (it decodes densely
+        throughout)."""
         slot = self.slot_of.get(req_id)
         if slot is None:
             if not (self.free_compact or self.free_plain):
@@ -305,7 +310,10 @@ class SFIController:
             # has released its slot and a compact set is free at its return (its attention would
             # otherwise change policy mid-answer, and its statistics hold the fallback)
             fell_back = self.stats.get(req_id).fallback == "compact_pool_full"
-            if cfg.policy == "dense":  # needs no compact set: keep the pool's slots for others
+            # the last decode step's context is max_len - 1: below dense_below_context, every step is dense
+            stays_dense = cfg.policy == "dense" or (
+                not self.lossless and max_len is not None and max_len <= cfg.dense_below_context)
+            if stays_dense:  # needs no compact set: keep the pool's slots for others
                 slot = (self.free_plain or self.free_compact).pop()
             elif self.free_compact and not fell_back:
                 slot = self.free_compact.pop()
@@ -370,6 +378,7 @@ class SFIController:
         spec_tokens: list[int] | None = None,
         request_tokens: list[int] | None = None,
         prompt_phases: list[int] | None = None,
+        max_lens: list[int | None] | None = None,
     ) -> StepPlan:
         """Classify each row, run the trigger for decode rows and record statistics.
 
@@ -381,11 +390,14 @@ class SFIController:
         for the row when it computes them all).
         ``prompt_phases[i]``: row i's prompt's reuse phase key
         (:func:`sfi_vllm.trigger.prompt_phase`), read when the request first appears (None: 0).
+        ``max_lens[i]``: the longest row i's context can grow (its prompt plus ``max_tokens``; None:
+        unknown), read when the request first appears.
         """
         n = len(req_ids)
         extra_args = request_extra_args or [None] * n
         phases = prompt_phases or [0] * n
-        slots = [self._slot(r, x, p) for r, x, p in zip(req_ids, extra_args, phases)]
+        longest = max_lens or [None] * n
+        slots = [self._slot(r, x, p, m) for r, x, p, m in zip(req_ids, extra_args, phases, longest)]
         if self.lossless:
             return self._plan_verify(req_ids, slots, num_scheduled, num_computed, prompt_lens, spec_tokens,
                                      request_tokens)

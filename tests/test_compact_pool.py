@@ -128,6 +128,30 @@ def test_a_full_pool_runs_the_request_densely_and_counts_it():
     assert ctl.stats.get("c").policy == "dense" and metric._value.get() == before + 1
 
 
+def test_a_request_that_stays_below_dense_below_context_takes_no_compact_set():
+    """A request whose context cannot reach dense_below_context before its last token (its prompt
+    plus max_tokens, from the runner) decodes densely throughout: it takes a slot without a compact
+    set, leaving the pool to requests that need one, and is no fallback. Unknown or longer: a set."""
+    per_seq = compact_bytes_per_slot(30, 3, 36, 64, 4, False)
+    ctl = _controller(2.5 * per_seq / GiB, n=5)  # two compact sets, three slots without
+    assert ctl.compact_slots == 2
+    short = {"sfi_dense_below_context": 4096}
+
+    def step(reqs, max_lens, extra=None):
+        n = len(reqs)
+        return ctl.plan_step(reqs, np.ones(n, int), np.full(n, 3000), [2900] * n, torch.full((n,), 3),
+                             extra or [short] * n, max_lens=max_lens)
+
+    # 2900 + 1196 = 4096: the last decode step's context is 4095, below the setting
+    p = step(["s", "t", "u", "v"], [3000, 4096, 4097, None])
+    assert ctl.slot_of["s"] >= 2 and ctl.slot_of["t"] >= 2  # no set
+    assert ctl.slot_of["u"] < 2 and ctl.slot_of["v"] < 2  # its context may pass 4096; unknown
+    assert p.modes == [StepMode.DENSE] * 4  # every context (3001) is below the setting now
+    assert all(ctl.stats.get(r).fallback is None for r in "stuv")
+    p = step(["w"], [3000], [None])  # the engine's dense_below_context (0): it needs a set, and none is free
+    assert ctl.stats.get("w").fallback == "compact_pool_full" and p.modes == [StepMode.DENSE]
+
+
 def test_the_shared_fake_engine_config_sizes_a_pool():
     """The GPU kernel tests build their controllers from ``fake_vllm_config``; on CUDA the controller
     sizes a compact pool from it, the path a CPU run with ``compact_memory_gib`` takes too."""

@@ -207,6 +207,23 @@ def test_preemption_keeps_full_budget_sfi_identical_to_dense(dense, sfi_full_pre
         assert _stats(res, s)["fast_steps"] > 0
 
 
+def test_requests_below_dense_below_context_leave_the_compact_pool_to_others(model_dir, prompts, dense):
+    """A pool of one compact set and three requests whose contexts stay below dense_below_context
+    (prompt + max_tokens, ~370 of 1,024 tokens): none takes a set, so none falls back for a full
+    pool; each decodes densely through the SFI backend and gives dense's tokens."""
+    from sfi_vllm.compact_pool import compact_bytes_per_slot
+    from sfi_vllm.config import build_config
+
+    one_set = compact_bytes_per_slot(30, 3, build_config({}, use_env=False).compact_capacity(1024), 64, 4, False)
+    res = _job(model_dir, prompts, attention_backend="sfi",
+               sfi={"compact_memory_gib": 1.5 * one_set / 2**30, "dense_below_context": 1024})
+    for d, s in zip(dense["outputs"], res["outputs"]):
+        st = _stats(res, s)
+        assert st["fallback"] is None and st["policy"] == "sfi"
+        assert st["dense_steps"] == st["decode_steps"] == MAX_TOKENS - 1
+        assert s["token_ids"] == d["token_ids"]
+
+
 def test_prefix_cache_hits_keep_full_budget_sfi_identical_to_dense(dense, sfi_full):
     """A request whose prompt comes from the prefix cache starts from a partial prefill; full-budget
     SFI still generates exactly what dense attention does."""

@@ -501,3 +501,7 @@ def test_the_runner_hook_hashes_new_requests_prompts_from_the_input_batch():
     assert out[-1] == [prompt_phase(prompts["a"]), prompt_phase(prompts["b"])] and 0 not in out[-1]
     assert _runner_step_inputs(runner, [1, 5], known={"a"})[-1] == [0, prompt_phase(prompts["b"])]
     assert _runner_step_inputs(runner, [1, 5], phases=False)[-1] == [0, 0]
+    # each request's prompt plus max_tokens: how long its context can grow (None: unknown)
+    assert out[-2] == [None, None]
+    runner.requests["b"].sampling_params = SimpleNamespace(extra_args=None, max_tokens=10)
+    assert _runner_step_inputs(runner, [1, 5])[-2] == [None, 15]

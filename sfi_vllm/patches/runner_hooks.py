@@ -43,7 +43,8 @@ _INSTALLED = False
 def _runner_step_inputs(runner, num_scheduled_tokens, known=(), phases: bool = True):
     """The runner's batch as the controller plans it; ``known``: request ids the controller has
     seen (a prompt's phase key is computed only for the others, from the prompt tokens the input
-    batch already holds as int32; ``phases`` False: none)."""
+    batch already holds as int32; ``phases`` False: none). ``max_lens``: each request's prompt
+    plus its ``max_tokens``, the longest its context can grow (None where unknown)."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = list(runner.input_batch.req_ids[:num_reqs])
     num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
@@ -67,11 +68,13 @@ def _runner_step_inputs(runner, num_scheduled_tokens, known=(), phases: bool = T
     first_tokens = input_ids[to_device(starts, input_ids.device)]  # stays on the device: no sync
     # a request's own SFI settings are in its extra_args (sfi_vllm.request_config); the controller
     # reads them only when the request first appears
-    extra_args = []
-    for r in req_ids:
+    extra_args, max_lens = [], []
+    for r, n in zip(req_ids, prompt_lens):
         params = getattr(runner.requests[r], "sampling_params", None)
         extra_args.append(getattr(params, "extra_args", None))
-    return req_ids, num_computed, prompt_lens, first_tokens, extra_args, phase_keys
+        most = getattr(params, "max_tokens", None)
+        max_lens.append(n + most if isinstance(most, int) else None)
+    return req_ids, num_computed, prompt_lens, first_tokens, extra_args, max_lens, phase_keys
 
 
 def install_for(controller) -> None:
@@ -123,7 +126,7 @@ def install() -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         ctl = current_controller()
         if ctl is not None:
-            req_ids, num_computed, prompt_lens, first_tokens, extra_args, phases = _runner_step_inputs(
+            req_ids, num_computed, prompt_lens, first_tokens, extra_args, max_lens, phases = _runner_step_inputs(
                 self, num_scheduled_tokens, ctl.slot_of, phases=not ctl.lossless
             )
             spec_tokens = request_tokens = None
@@ -132,7 +135,7 @@ def install() -> None:
                 spec_tokens = [len(spec.get(r, ())) for r in req_ids]
                 request_tokens = [int(self.requests[r].num_tokens) for r in req_ids]
             ctl.plan_step(req_ids, num_scheduled_tokens, num_computed, prompt_lens, first_tokens,
-                          extra_args, spec_tokens, request_tokens, phases)
+                          extra_args, spec_tokens, request_tokens, phases, max_lens)
         return out
 
     @functools.wraps(orig_execute)
