@@ -10,7 +10,8 @@ The load is ``serve_bench.sh smol``'s: random prompts of 2,304-6,912 token ids, 
 generated tokens each (greedy, ``ignore_eos``), all added at once. Three ``generate`` calls of
 ``--prompts`` prompts each, on prompts of their own (seeds 1, 2, 3, so none is prefix-cached): a
 warm-up (compilations, graph captures), one timed plainly ("plain wall") and one under cProfile
-("profiled wall"). Prints the two times and the SFI functions by cumulative time; writes
+("profiled wall"). Prints the two times and, for ``sfi``, how many requests found the
+compact-set pool full (they ran densely) and the SFI functions by cumulative time; writes
 ``MODE[TAG]-tottime.txt`` and ``MODE[TAG]-cumtime.txt`` (the whole profile's top functions) to
 ``OUT_DIR``.
 cProfile slows Python down, so read its times as shares. Run each mode in a process of its own.
@@ -47,6 +48,8 @@ def main() -> int:
     ap.add_argument("--sfi", default=None, help="JSON: the SFI engine's settings over the defaults")
     ap.add_argument("--tag", default="", help="suffix of the output files' mode")
     args = ap.parse_args()
+    if args.sfi and args.mode != "sfi":
+        ap.error("--sfi sets the SFI engine's settings: give it with the sfi mode")
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -72,9 +75,15 @@ def main() -> int:
         pstats.Stats(prof, stream=f).sort_stats(key).print_stats(n)
         with open(os.path.join(args.out, f"{name}-{key}.txt"), "w") as fh:
             fh.write(f.getvalue())
-    f = io.StringIO()
-    pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats("sfi_vllm", 25)
-    print(f.getvalue()[-5000:])
+    if args.mode == "sfi":  # requests that found the compact-set pool full ran densely
+        from sfi_vllm.controller import current_controller
+
+        ctl = current_controller()
+        print(name, "compact sets", ctl.compact_slots, "requests that found them taken (all calls)",
+              ctl.pool_full_requests, flush=True)
+        f = io.StringIO()
+        pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats("sfi_vllm", 25)
+        print(f.getvalue())
     return 0
 
 

@@ -336,6 +336,10 @@ class SFIController:
                 self.stats.note_fallback(req_id, "config_error", str(e))
                 cfg = self.cfg.model_copy(update={"policy": "dense"})
                 self.trigger.configure(slot, cfg, phase)
+            if slot >= self.compact_slots and cfg.policy != "dense":
+                # no compact set to select into: should its context pass prompt + max_tokens after
+                # all, it stays dense rather than reach a slow step with nowhere to put the set
+                self.trigger.keep_dense(slot)
             self.slot_of[req_id] = slot
             self.slot_cfg[slot] = cfg
             self.stats.get(req_id).policy = cfg.policy

@@ -226,6 +226,11 @@ class SlowStepTrigger:
     def _tokens(self, tokens: Any) -> np.ndarray:
         return np.clip(_host(tokens, np.int64), 0, self.vocab_size - 1)
 
+    def keep_dense(self, slot: int) -> None:
+        """Every decode step of ``slot`` dense, whatever its context (a request in a slot without a
+        compact set: one that the controller expects to stay below its ``dense_below_context``)."""
+        self.dense_below[slot] = 1 << 62
+
     def reset(self, slots: Any) -> None:
         """A request started, was preempted or finished: its next decode step is a first step."""
         slots = _host(slots, np.int64)

@@ -148,6 +148,9 @@ def test_a_request_that_stays_below_dense_below_context_takes_no_compact_set():
     assert ctl.slot_of["u"] < 2 and ctl.slot_of["v"] < 2  # its context may pass 4096; unknown
     assert p.modes == [StepMode.DENSE] * 4  # every context (3001) is below the setting now
     assert all(ctl.stats.get(r).fallback is None for r in "stuv")
+    # should a context pass prompt + max_tokens after all, the request without a set stays dense
+    p = ctl.plan_step(["s"], np.ones(1, int), np.full(1, 5000), [2900], torch.full((1,), 3), [short])
+    assert p.modes == [StepMode.DENSE] and ctl.stats.get("s").slow_steps == 0
     p = step(["w"], [3000], [None])  # the engine's dense_below_context (0): it needs a set, and none is free
     assert ctl.stats.get("w").fallback == "compact_pool_full" and p.modes == [StepMode.DENSE]
 

@@ -43,8 +43,9 @@ _INSTALLED = False
 def _runner_step_inputs(runner, num_scheduled_tokens, known=(), phases: bool = True):
     """The runner's batch as the controller plans it; ``known``: request ids the controller has
     seen (a prompt's phase key is computed only for the others, from the prompt tokens the input
-    batch already holds as int32; ``phases`` False: none). ``max_lens``: each request's prompt
-    plus its ``max_tokens``, the longest its context can grow (None where unknown)."""
+    batch already holds as int32; ``phases`` False: none). Returns the request ids, computed
+    tokens, prompt lengths, first input tokens, ``extra_args``, ``max_lens`` (each request's prompt
+    plus its ``max_tokens``: the longest its context can grow, None where unknown) and phase keys."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = list(runner.input_batch.req_ids[:num_reqs])
     num_computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]

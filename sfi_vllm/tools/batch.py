@@ -143,7 +143,7 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
         raise LineError(f"line-{lineno}", "a line must be a JSON object")
     rid = _line_id(data, lineno)
     try:
-        if "id" in data and "custom_id" in data:  # in a run-batch line other extra keys are ignored, as vLLM does
+        if "id" in data and "custom_id" in data:  # either form of line: the output record would take the id
             raise ValueError("id and custom_id: give one (a run-batch line names its request by custom_id)")
         fields = _from_openai_batch(data) if "body" in data else data
         req = BatchLine.model_validate(fields)
