@@ -11,7 +11,9 @@ generated tokens each (greedy, ``ignore_eos``), all added at once. Three ``gener
 ``--prompts`` prompts each, on prompts of their own (seeds 1, 2, 3, so none is prefix-cached): a
 warm-up (compilations, graph captures), one timed plainly ("plain wall") and one under cProfile
 ("profiled wall"). Prints the two times and, for ``sfi``, how many requests found the
-compact-set pool full (they ran densely) and the SFI functions by cumulative time; writes
+compact-set pool full (they ran densely), how the selection ran (replayed from a CUDA graph,
+captured, eagerly), the SFI functions by cumulative time and what the step's end and the
+attention layer call; writes
 ``MODE[TAG]-tottime.txt`` and ``MODE[TAG]-cumtime.txt`` (the whole profile's top functions) to
 ``OUT_DIR``.
 cProfile slows Python down, so read its times as shares. Run each mode in a process of its own.
@@ -81,8 +83,12 @@ def main() -> int:
         ctl = current_controller()
         print(name, "compact sets", ctl.compact_slots, "requests that found them taken (all calls)",
               ctl.pool_full_requests, flush=True)
+        if ctl.executor is not None:  # how the selection ran, all calls: from a graph, captured, eagerly
+            print(name, "selection runs (all calls)", ctl.executor.graph_runs(), flush=True)
         f = io.StringIO()
-        pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats("sfi_vllm", 25)
+        stats = pstats.Stats(prof, stream=f).sort_stats("cumtime")
+        stats.print_stats("sfi_vllm", 40)
+        stats.print_callees(r"end_step|common.py:\d+\(forward\)")
         print(f.getvalue())
     return 0
 

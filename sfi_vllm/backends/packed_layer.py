@@ -139,10 +139,13 @@ class PackedSFILayer(SFILayer):
     def fast(self, step: SFIStep, paged: PagedKV, query: torch.Tensor, output: torch.Tensor) -> None:
         """Fast rows: compact set + recent window, one softmax; writes ``output`` rows."""
         plan = step.plan
-        rows = step.fast_rows
-        kernel_rows = [r for r in rows if plan.configs[r].policy != "quest"]
+        split = step.layer_cache.get("fast_split")
+        if split is None:  # once per step: the same for every layer
+            split = step.layer_cache["fast_split"] = (
+                [r for r in step.fast_rows if plan.configs[r].policy != "quest"],
+                [r for r in step.fast_rows if plan.configs[r].policy == "quest"])
+        kernel_rows, rows = split
         self._fast_packed(step, paged, query, output, kernel_rows)
-        rows = [r for r in rows if plan.configs[r].policy == "quest"]
         if rows and self.head_size & (self.head_size - 1) == 0:
             groups: dict = {}
             for r in rows:  # rows of one page size and sink count are selected together
@@ -224,15 +227,22 @@ class PackedSFILayer(SFILayer):
 
         plan, buf, tables = step.plan, self.packed, step.fast_tables
         assert buf is not None and tables is not None and tables.rows >= len(rows)
-        max_keys = 0
-        for row in rows:
-            slot = plan.slots[row]
-            if not buf.valid(slot, plan.generations[row]):
-                raise RuntimeError(
-                    f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
-                    "(a slow step must come first); this is a bug"
-                )
-            max_keys = max(max_keys, buf.length[slot] + step.seq_lens[row] - buf.window_start[slot])
+        max_keys = step.layer_cache.get("fast_max_keys")
+        if max_keys is None:
+            # once per step, from the first layer's sets: a request's first selection publishes
+            # every layer's set (so the check holds for all), and the key count only sizes the
+            # launch (its split count; another layer's window may have grown a little further
+            # under layer_interleaved_refresh, which the kernel handles at any split count)
+            max_keys = 0
+            for row in rows:
+                slot = plan.slots[row]
+                if not buf.valid(slot, plan.generations[row]):
+                    raise RuntimeError(
+                        f"sfi-vllm: fast step for request {plan.req_ids[row]} has no compact set "
+                        "(a slow step must come first); this is a bug"
+                    )
+                max_keys = max(max_keys, buf.length[slot] + step.seq_lens[row] - buf.window_start[slot])
+            step.layer_cache["fast_max_keys"] = max_keys
         key_cache, value_cache = paged.nhd_views()
         assert tables.token is not None
         out = fast_decode_attention(

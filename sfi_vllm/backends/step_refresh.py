@@ -18,7 +18,10 @@ runs at once, on the refresh stream when there is one, ordered after the last la
 All of it reads device inputs only (staged queries, block-table rows, lengths, budgets, targets),
 so it is captured in one CUDA graph per shape (rows, frame bucket, K, sinks, Selector setting,
 layers) from the shape's ``CAPTURE_AFTER``-th use and replayed afterwards: one host call per step
-instead of a few dozen per layer. The host mirrors of the compact buffers are updated at the same
+instead of a few dozen per layer. The graphs share one memory pool (their intermediates live only
+within a replay, and replays run one after another on one stream), so keeping many of them costs
+about one graph's memory: ``STEP_MAX_GRAPHS`` are kept, enough for the shapes of many requests
+of different lengths (a slow-row count times a frame bucket each). The host mirrors of the compact buffers are updated at the same
 time. A group of rows any of whose rows needs no scoring (its candidates all fit) keeps the
 per-layer path. Fast steps of the next step read the new sets because the metadata builder joins
 the refresh stream first, as with the per-layer path. What is lost: the per-layer path overlaps
@@ -57,7 +60,6 @@ import torch
 from sfi_vllm.backends.selection import (
     CAPTURE_AFTER,
     FUSED_MAX_FRAME,
-    MAX_GRAPHS,
     SlowStepSelection,
     capture_graph,
     log_capture,
@@ -66,6 +68,11 @@ from sfi_vllm.backends.selection import (
 from sfi_vllm.host_copy import copy_to_device, tensor_to_device, to_device
 from sfi_vllm.selector import select_batched_static
 
+# Per-step refresh graphs kept (least recently used evicted). They share one memory pool, so more
+# graphs cost host memory and capture time, not device memory: a load of many concurrent requests
+# of 2-7K tokens (benchmarks/results/serve-bench-smol-h100.md) had 1-4 slow rows per step over
+# 4 frame buckets, 16 shapes, and with 4 graphs kept ran 403 of its 535 refreshes eagerly.
+STEP_MAX_GRAPHS = 64
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
@@ -239,7 +246,7 @@ class _Entry:
 
 
 class StepRefresh:
-    def __init__(self, capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS,
+    def __init__(self, capture_after: int = CAPTURE_AFTER, max_graphs: int = STEP_MAX_GRAPHS,
                  logits_bytes: int = LOGITS_BYTES, fused_max_frame: int = FUSED_MAX_FRAME) -> None:
         self.capture_after = capture_after
         self.max_graphs = max_graphs
@@ -249,6 +256,7 @@ class StepRefresh:
         self._stages: dict[tuple, torch.Tensor] = {}
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._scratch: torch.Tensor | None = None  # logits + norms, shared by every entry
+        self._pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         self._discard: dict = {}  # discard_map's, by shape and device
         self._uses = SlowStepSelection(capture_after=capture_after)  # its use counter
         self._event = None
@@ -505,7 +513,9 @@ class StepRefresh:
             self.replays += 1
         elif self._uses.count_use(key):
             t0 = time.perf_counter()
-            entry.graph, _ = capture_graph(body)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            entry.graph, _ = capture_graph(body, pool=self._pool)
             entry.graph.replay()
             self.captures += 1
             log_capture("the per-step refresh's", self.captures, time.perf_counter() - t0,
