@@ -65,7 +65,7 @@ def _repack_selected(KC, VC, BT, SEL, META, CK, CV, LEN, WSD, MAP,
     h = tl.program_id(1)
     t = tl.program_id(2)
     target = tl.load(META + b).to(tl.int64)
-    count = tl.load(META + stride_meta + b)
+    count = tl.where(target >= 0, tl.load(META + stride_meta + b), 0)  # target -1: padding, nothing written
     n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < count
     sel = tl.load(SEL + b * stride_sb + h * stride_sh + (n - sinks), mask=nmask & (n >= sinks), other=0)
@@ -79,7 +79,7 @@ def _repack_selected(KC, VC, BT, SEL, META, CK, CV, LEN, WSD, MAP,
     v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=m2)
     tl.store(CV + target * stride_cvs + h * stride_cvh + n[:, None] * stride_cvn + offs_d[None, :], v, mask=m2)
     if PUBLISH:
-        if (h == 0) & (t == 0):
+        if (h == 0) & (t == 0) & (target >= 0):
             tl.store(LEN + target, count)
             tl.store(WSD + target, tl.load(META + 2 * stride_meta + b))
             tl.store(MAP + tl.load(META + 3 * stride_meta + b), target.to(tl.int32))
@@ -91,7 +91,8 @@ def repack_selected(key_cache, value_cache, block_table, selected, sinks: int, m
 
     ``selected (B, Hkv, K)`` absolute positions (:func:`sfi_vllm.selector.top_k_positions`);
     ``meta (4, B)`` int32: physical set written, tokens (``sinks`` + row ``b``'s share of
-    ``selected``), window start, logical slot. Row ``b``'s set is positions ``0 .. sinks - 1``
+    ``selected``), window start, logical slot; a row whose set is ``-1`` is padding and writes
+    nothing (a CUDA graph captured for more rows than a step has). Row ``b``'s set is positions ``0 .. sinks - 1``
     followed by ``selected[b, h, :meta[1, b] - sinks]``. Then, with ``publish``, as
     :meth:`sfi_vllm.compact.PackedCompactBuffer.pack_rows` does in torch:
     ``length_dev[set] = tokens``, ``window_start_dev[set] = window start`` and

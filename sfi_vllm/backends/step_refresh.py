@@ -18,10 +18,14 @@ runs at once, on the refresh stream when there is one, ordered after the last la
 All of it reads device inputs only (staged queries, block-table rows, lengths, budgets, targets),
 so it is captured in one CUDA graph per shape (rows, frame bucket, K, sinks, Selector setting,
 layers) from the shape's ``CAPTURE_AFTER``-th use and replayed afterwards: one host call per step
-instead of a few dozen per layer. The graphs share one memory pool (their intermediates live only
-within a replay, and replays run one after another on one stream), so keeping many of them costs
-about one graph's memory: ``STEP_MAX_GRAPHS`` are kept, enough for the shapes of many requests
-of different lengths (a slow-row count times a frame bucket each). The host mirrors of the compact buffers are updated at the same
+instead of a few dozen per layer. The queries staged by the layers of an eager step are padded to
+a shape of fewer variants (:func:`padded_shape`: a power-of-two row count and frame while that
+stays small; a padding row repeats the first row's inputs and writes nothing), so that a load
+whose slow rows come and go in ones and twos reuses a few graphs. The graphs share one memory
+pool (their intermediates live only within a replay, and replays run one after another on one
+stream), so keeping many of them costs about one graph's memory: ``STEP_MAX_GRAPHS`` are kept,
+enough for the shapes of many requests of different lengths (a slow-row count times a frame
+bucket each). The host mirrors of the compact buffers are updated at the same
 time. A group of rows any of whose rows needs no scoring (its candidates all fit) keeps the
 per-layer path. Fast steps of the next step read the new sets because the metadata builder joins
 the refresh stream first, as with the per-layer path. What is lost: the per-layer path overlaps
@@ -73,6 +77,9 @@ from sfi_vllm.selector import select_batched_static
 # of 2-7K tokens (benchmarks/results/serve-bench-smol-h100.md) had 1-4 slow rows per step over
 # 4 frame buckets, 16 shapes, and with 4 graphs kept ran 403 of its 535 refreshes eagerly.
 STEP_MAX_GRAPHS = 64
+# padded_shape: jobs are padded while rows x frame stays within this many tokens (the selection's
+# work grows with it; up to here it is small next to the launches a graph saves)
+PAD_MAX_TOKENS = 1 << 16
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
@@ -191,6 +198,16 @@ def score_row_tables(plan, rows: int) -> torch.Tensor:
     return out
 
 
+def padded_shape(rows: int, width: int) -> tuple[int, int]:
+    """The rows and frame width a staged job of ``rows`` slow rows and a ``width``-token frame
+    runs with: both rounded up to powers of two while their product stays within
+    ``PAD_MAX_TOKENS``, else as they are. Padding rows repeat the first row's inputs (so every
+    kernel sees real data) and write no set (``repack_selected``'s set ``-1``); positions past a
+    row's context are masked, so a wider frame selects the same tokens."""
+    r, w = 1 << (rows - 1).bit_length(), 1 << (width - 1).bit_length()
+    return (r, w) if r * w <= PAD_MAX_TOKENS else (rows, width)
+
+
 def refresh_per_step(mode: str, contexts: list[int], keys_only: bool = False) -> bool:
     """Whether a group of slow rows with these contexts takes the per-step refresh (``keys_only``:
     every row of the group attends through its compact set)."""
@@ -211,9 +228,9 @@ class _Job:
     k: list[int]
     slots: list[int]
     generations: list[int]
-    tok: torch.Tensor  # (R,) token index of each row
-    bt: torch.Tensor  # (R, max_blocks) int32 block-table rows
-    stage: torch.Tensor | None  # (layers, R, Hq, D): the queries staged by record()
+    tok: torch.Tensor  # (P,) token index of each row, padding rows included (P >= R rows)
+    bt: torch.Tensor  # (P, max_blocks) int32 block-table rows, padding rows included
+    stage: torch.Tensor | None  # (layers, P, Hq, D): the queries staged by record()
     # slow_in_graph: the rows' indices in each layer's own stage (written by the uniform launch)
     rows_idx: list[int] | None = None
     # fused scores: the group's logits (layers, R, Hkv, G, W) and norms (layers, R, Hkv, W), views
@@ -228,6 +245,7 @@ class _Job:
     # layers' stages (on the device), copied into ``stage`` when the flush starts (the next step,
     # which may run beside the refresh, rewrites the layers' stages)
     snapshot_rows: torch.Tensor | None = None
+    width: int = 0  # the frame (padded_shape's); 0: the rows' contexts rounded up to the frame bucket
 
 
 @dataclass
@@ -279,18 +297,22 @@ class StepRefresh:
         job = self._pending.get(key)
         if job is None:
             ctx = [step.seq_lens[r] for r in rows]
-            ordinal = sum(1 for j in self._pending.values() if len(j.rows) == len(rows))
-            skey = (len(rows), ordinal, num_layers, query.shape[1], query.shape[2], query.dtype, query.device)
+            padded, width = padded_shape(len(rows), SlowStepSelection.frame_width(max(ctx)))
+            if padded > len(rows):  # padding rows: the first row's inputs again
+                tok = torch.cat([tok, tok[:1].expand(padded - len(rows))])
+                bt = torch.cat([bt, bt[:1].expand(padded - len(rows), -1)])
+            ordinal = sum(1 for j in self._pending.values() if j.tok.shape[0] == padded)
+            skey = (padded, ordinal, num_layers, query.shape[1], query.shape[2], query.dtype, query.device)
             stage = self._stages.get(skey)
             if stage is None:
-                stage = self._stages[skey] = torch.empty(num_layers, len(rows), query.shape[1], query.shape[2],
+                stage = self._stages[skey] = torch.empty(num_layers, padded, query.shape[1], query.shape[2],
                                                          dtype=query.dtype, device=query.device)
             job = self._pending[key] = _Job(
                 rows=tuple(rows), cfg=cfg, sinks=sinks, ctx=ctx,
                 ws=[step.geometry[r].window_start for r in rows],
                 k=[step.geometry[r].selected for r in rows],
                 slots=[plan.slots[r] for r in rows], generations=[plan.generations[r] for r in rows],
-                tok=tok, bt=bt, stage=stage)
+                tok=tok, bt=bt, stage=stage, width=width)
         torch.index_select(query, 0, job.tok, out=job.stage[layer.index])
         job.layers.append(layer)
         job.kv.append(paged.nhd_views())
@@ -411,11 +433,12 @@ class StepRefresh:
         publish the sets in the slot maps the fast-step kernel reads (the caller commits them)."""
         layers = job.layers
         layer0 = layers[0]
-        R, hq = len(job.rows), layer0.num_heads
+        R, hq = job.bt.shape[0], layer0.num_heads  # rows, padding included
+        pad = R - len(job.rows)
         hkv = layer0.num_kv_heads
         g = hq // hkv
         lo, sinks = job.sinks, job.sinks
-        width = SlowStepSelection.frame_width(max(job.ctx))
+        width = job.width or SlowStepSelection.frame_width(max(job.ctx))
         kmax = max(job.k)
         per_layer = R * hkv * (g + 1) * width * 4
         chunk = max(1, min(len(layers), self.logits_bytes // per_layer))
@@ -460,11 +483,14 @@ class StepRefresh:
         first = not all(layer0.packed.valid(s, gen) for s, gen in zip(job.slots, job.generations))
         discard = self.discard_map(layer0.packed) if deferred else None
         counts = [sinks + kk for kk in job.k]
-        meta = torch.tensor([[t, counts, job.ws, job.slots] for t in targets], dtype=torch.int32)
+        # padding rows: the first row's inputs, and set -1 (repack_selected writes nothing for them)
+        ctx, ws, k = (v + v[:1] * pad for v in (job.ctx, job.ws, job.k))
+        meta = torch.tensor([[t + [-1] * pad, counts + counts[:1] * pad, ws, job.slots + job.slots[:1] * pad]
+                             for t in targets], dtype=torch.int32)
         copy_to_device(entry.meta, meta)
-        copy_to_device(entry.seq, torch.tensor(job.ctx, dtype=torch.int32))
-        copy_to_device(entry.counts, torch.tensor([w - lo for w in job.ws] * chunk, dtype=torch.float32))
-        copy_to_device(entry.budgets, torch.tensor(job.k * chunk, dtype=torch.long))
+        copy_to_device(entry.seq, torch.tensor(ctx, dtype=torch.int32))
+        copy_to_device(entry.counts, torch.tensor([w - lo for w in ws] * chunk, dtype=torch.float32))
+        copy_to_device(entry.budgets, torch.tensor(k * chunk, dtype=torch.long))
         if job.rows_idx is not None:
             copy_to_device(entry.rows, torch.tensor(job.rows_idx, dtype=torch.long))
 
@@ -519,7 +545,8 @@ class StepRefresh:
             entry.graph.replay()
             self.captures += 1
             log_capture("the per-step refresh's", self.captures, time.perf_counter() - t0,
-                        f"{R} slow rows, a {width}-token frame, {len(layers)} layers, scores "
+                        f"{len(job.rows)} slow rows{f' padded to {R}' if pad else ''}, a {width}-token frame, "
+                        f"{len(layers)} layers, scores "
                         f"{source[0] if job.scores is not None else 'from the stage'}, "
                         f"{len(self._entries)} graphs kept")
         else:

@@ -129,15 +129,16 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None,
-                       top_k="auto", slow_sets=None):
+                       top_k="auto", slow_sets=None, graphs=None):
     """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
     when the step ends, replayed from a CUDA graph) against ``"per_layer"``, layer by layer: each
     layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
     data: on CUDA the first runs eagerly, the second captures, the later ones replay (and must
     read their own inputs). ``chunk_bytes`` small: one layer per Selector launch. ``slow_sets``:
     the rows that are slow at each step, in turn (the others decode densely); each set is a shape
-    of its own, whose graphs share one memory pool, so a graph replayed after another's capture
-    must still compute its own selection."""
+    of its own (``graphs``: how many shapes they make, if padding merges some), whose graphs share
+    one memory pool, so a graph replayed after another's capture must still compute its own
+    selection."""
     from sfi_vllm.backends.common import make_step
     from sfi_vllm.backends.step_refresh import StepRefresh
     from sfi_vllm.tools.policies import policy_overrides
@@ -171,7 +172,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert_same_sets(stacks[0], stacks[1], n, values=True)
     sr = ctls[1].executor.step_refresh
     if device == "cuda":  # each shape: eager, captured, then replayed
-        shapes = len(slow_sets)
+        shapes = graphs or len(slow_sets)
         assert steps % shapes == 0 and steps >= 3 * shapes
         assert (sr.eager_runs, sr.captures, sr.replays) == (shapes, shapes, steps - 2 * shapes), \
             (sr.eager_runs, sr.captures, sr.replays)
@@ -313,12 +314,19 @@ def test_packed_layer(device, dtype, kw):
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, top_k="torch",
                                     slow_sets=[(0, 1, 2, 3), (1, 3)]),
          id="layers2-steps2-two_shapes-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=3, top_k="torch",
+                                    slow_sets=[(0, 1, 2, 3), (0, 2, 3), (1,)]),
+         id="layers2-steps3-padded-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, shape, id="layers3-steps4-" + shape_id(dtype, **shape), selection=dtype == torch.bfloat16)
       for dtype, shape in GPU),
     *(case("cuda", dtype, dict(**shape, chunk_bytes=1), id="layers3-steps4-chunk1-" + shape_id(dtype, **shape))
       for dtype, shape in GPU),
     *(case("cuda", dtype, dict(**shape, steps=6, slow_sets=[(0, 1, 2, 3), (1, 3)]),
            id="layers3-steps6-two_shapes-" + shape_id(dtype, **shape))
+      for dtype, shape in GPU),
+    # three rows padded to four (an 8K frame: small enough to pad): the four rows' graph
+    *(case("cuda", dtype, dict(**shape, steps=4, slow_sets=[(0, 1, 2, 3), (0, 2, 3)], graphs=1),
+           id="layers3-steps4-padded-" + shape_id(dtype, **shape))
       for dtype, shape in GPU),
 ])
 def test_step_refresh(device, dtype, kw):

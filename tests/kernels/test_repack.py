@@ -38,7 +38,8 @@ def check_repack(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq
 def check_repack_selected(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, page=16, seq_lens=(4000, 700, 2500),
                           k=(1000, 130, 64), sinks=4, seed=2):
     """``repack_selected`` against ``PagedKV.gather`` of sinks + the selection, and its metadata
-    writes (what a publish writes on the device); padding past a row's ``k`` must be ignored."""
+    writes (what a publish writes on the device); padding past a row's ``k`` must be ignored, and
+    a padding row (set ``-1``) writes nothing."""
     from sfi_vllm.kernels.repack import repack_selected
 
     g = torch.Generator().manual_seed(seed)
@@ -52,8 +53,11 @@ def check_repack_selected(device="cuda", dtype=torch.bfloat16, hkv=8, d=128, pag
             sel[b, h, : k[b]] = torch.sort(sinks + torch.randperm(seq_lens[b] - sinks, generator=g)[: k[b]]).values
     sel = sel.to(device)
     targets, slots = [5, 2, 0][:B], [2, 1, 0][:B]
-    meta = torch.tensor([targets, [sinks + kk for kk in k], [s - 50 for s in seq_lens], slots],
-                        dtype=torch.int32, device=device)
+    # a padding row (set -1) after the real ones: a copy of row 0 that must write nothing
+    meta = torch.tensor([targets + [-1], [sinks + kk for kk in k] + [sinks + k[0]],
+                         [s - 50 for s in seq_lens] + [7], slots + [slots[0]]], dtype=torch.int32, device=device)
+    sel = torch.cat([sel, sel[:1]])
+    bt = torch.cat([bt, bt[:1]])
     ck = torch.full((6, hkv, sinks + K + 2, d), float("nan"), dtype=dtype, device=device)
     cv = torch.full_like(ck, float("nan"))
     length = torch.full((6,), -1, dtype=torch.int32, device=device)
