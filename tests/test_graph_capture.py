@@ -95,3 +95,16 @@ def test_a_larger_scratch_drops_only_the_entries_that_read_the_old_one():
     larger = sr.scratch(200, "cpu")
     assert larger.numel() == 200 and larger is not first
     assert set(sr._entries) == {"fused"}
+
+
+def test_a_gpu_scratch_is_allocated_at_its_largest_size_at_once():
+    """Each growth of the shared scratch drops the graphs that read it, so on a GPU the first
+    one takes what the largest chunk may (logits_bytes), and only a job that needs more (one
+    layer's logits above it) grows it; on the CPU it is what is asked."""
+    from sfi_vllm.backends.step_refresh import StepRefresh
+
+    sr = StepRefresh(logits_bytes=4096)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert sr.scratch_numel(10, cuda) == 1024
+    assert sr.scratch_numel(5000, cuda) == 5000
+    assert sr.scratch_numel(10, cpu) == 10

@@ -576,8 +576,16 @@ class StepRefresh:
         if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != device:
             self._drop([k for k, e in self._entries.items() if e.scratch])
             self._scratch = None
-            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
+            self._scratch = torch.empty(self.scratch_numel(numel, device), dtype=torch.float32, device=device)
         return self._scratch
+
+    def scratch_numel(self, numel: int, device: torch.device) -> int:
+        """The size of a new scratch for a job that needs ``numel`` floats: on a GPU at once what
+        the largest chunk may take (``logits_bytes``; more if one layer needs more), since every
+        growth drops the graphs that read the old scratch, and jobs of different shapes would
+        otherwise grow it step by step (recapturing each time); elsewhere (the tests' CPU runs)
+        what is asked."""
+        return max(numel, self.logits_bytes // 4) if device.type == "cuda" else numel
 
     def _drop(self, keys: list) -> None:
         """Forget entries. A captured graph's memory pool returns to the allocator when the graph
