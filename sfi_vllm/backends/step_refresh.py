@@ -74,8 +74,9 @@ from sfi_vllm.selector import select_batched_static
 
 # Per-step refresh graphs kept (least recently used evicted). They share one memory pool, so more
 # graphs cost host memory and capture time, not device memory: a load of many concurrent requests
-# of 2-7K tokens (benchmarks/results/serve-bench-smol-h100.md) had 1-4 slow rows per step over
-# 4 frame buckets, 16 shapes, and with 4 graphs kept ran 403 of its 535 refreshes eagerly.
+# of 2-7K tokens (benchmarks/results/serve-bench-smol-h100.md) had 1-7 slow rows per step and
+# frames of 4,096-8,192 tokens (3 buckets), and with 4 graphs kept ran 403 of its 535 refreshes
+# eagerly.
 STEP_MAX_GRAPHS = 64
 # padded_shape: jobs are padded while rows x frame stays within this many tokens (the selection's
 # work grows with it; up to here it is small next to the launches a graph saves)
@@ -203,7 +204,8 @@ def padded_shape(rows: int, width: int) -> tuple[int, int]:
     runs with: both rounded up to powers of two while their product stays within
     ``PAD_MAX_TOKENS``, else as they are. Padding rows repeat the first row's inputs (so every
     kernel sees real data) and write no set (``repack_selected``'s set ``-1``); positions past a
-    row's context are masked, so a wider frame selects the same tokens."""
+    row's context are masked, so a wider frame selects the same tokens up to the order of float
+    sums (the Selector's kernels split their statistics by the frame's width)."""
     r, w = 1 << (rows - 1).bit_length(), 1 << (width - 1).bit_length()
     return (r, w) if r * w <= PAD_MAX_TOKENS else (rows, width)
 
@@ -588,10 +590,14 @@ class StepRefresh:
         return max(numel, self.logits_bytes // 4) if device.type == "cuda" else numel
 
     def _drop(self, keys: list) -> None:
-        """Forget entries. A captured graph's memory pool returns to the allocator when the graph
-        goes, without waiting for a replay still running: wait for the refresh work first."""
+        """Forget entries. The graphs' shared memory pool returns to the allocator when its last
+        graph goes, without waiting for a replay still running: wait for the refresh work first.
+        A pool whose graphs are all gone cannot take another capture (the allocator has released
+        it), so the next capture makes a new one."""
         entries = [self._entries.pop(k) for k in keys]
         for k in keys:
             self._uses.forget(k)
         if any(e.graph is not None for e in entries) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the refresh stream inside flush()
+        if not any(e.graph is not None for e in self._entries.values()):
+            self._pool = None

@@ -149,7 +149,8 @@ class DrafterGraphs:
 
         from sfi_vllm.backends.selection import capture_graph
 
-        if self.pool is None:
+        if self.pool is None or not self.graphs:
+            # a pool whose graphs are all gone cannot take another capture: a new one
             self.pool = torch.cuda.graph_pool_handle()
         fc.cudagraph_runtime_mode = CUDAGraphMode.NONE
         try:

@@ -129,7 +129,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                        seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, chunk_bytes=None,
-                       top_k="auto", slow_sets=None, graphs=None):
+                       top_k="auto", slow_sets=None, graphs=None, max_graphs=None, runs=None):
     """``slow_refresh = "per_step"`` (queries staged per layer, every layer selected and repacked
     when the step ends, replayed from a CUDA graph) against ``"per_layer"``, layer by layer: each
     layer has its own cache and queries, so a mixed-up layer shows. Several slow steps with new
@@ -138,7 +138,9 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the rows that are slow at each step, in turn (the others decode densely); each set is a shape
     of its own (``graphs``: how many shapes they make, if padding merges some), whose graphs share
     one memory pool, so a graph replayed after another's capture must still compute its own
-    selection."""
+    selection. ``max_graphs``: the refresh's limit (a smaller one evicts); ``runs``: the eager,
+    captured and replayed counts expected on CUDA (default: each shape eager, captured, then
+    replayed)."""
     from sfi_vllm.backends.common import make_step
     from sfi_vllm.backends.step_refresh import StepRefresh
     from sfi_vllm.tools.policies import policy_overrides
@@ -150,7 +152,8 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                       top_k)
     ctls, stacks = refresh_stacks([{**base, "slow_refresh": m} for m in ("per_layer", "per_step")],
                                   hq, hkv, d, dtype, device, layers)
-    ctls[1].executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}))
+    ctls[1].executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else {"logits_bytes": chunk_bytes}),
+                                                **({} if max_graphs is None else {"max_graphs": max_graphs}))
     g = torch.Generator().manual_seed(11)
     paged0, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=7)
     # each layer's cache, allocated once (an engine's caches persist; a graph holds their addresses)
@@ -171,11 +174,15 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         assert not ctls[1].executor.step_refresh.pending
         assert_same_sets(stacks[0], stacks[1], n, values=True)
     sr = ctls[1].executor.step_refresh
-    if device == "cuda":  # each shape: eager, captured, then replayed
-        shapes = graphs or len(slow_sets)
-        assert steps % shapes == 0 and steps >= 3 * shapes
-        assert (sr.eager_runs, sr.captures, sr.replays) == (shapes, shapes, steps - 2 * shapes), \
-            (sr.eager_runs, sr.captures, sr.replays)
+    shapes = graphs or len(slow_sets)
+    # one entry per shape (on the CPU too: padding that merged no shapes shows here)
+    assert len(sr._entries) == min(shapes, max_graphs or shapes), list(sr._entries)
+    if device == "cuda":
+        if runs is None:  # each shape: eager, captured, then replayed
+            assert steps % shapes == 0 and steps >= 3 * shapes
+            runs = (shapes, shapes, steps - 2 * shapes)
+        assert (sr.eager_runs, sr.captures, sr.replays) == runs, (sr.eager_runs, sr.captures, sr.replays)
+        assert sr._scratch is None or sr._scratch.numel() >= sr.logits_bytes // 4, "the scratch at its size at once"
     return 0.0
 
 
@@ -315,8 +322,12 @@ def test_packed_layer(device, dtype, kw):
                                     slow_sets=[(0, 1, 2, 3), (1, 3)]),
          id="layers2-steps2-two_shapes-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=3, top_k="torch",
-                                    slow_sets=[(0, 1, 2, 3), (0, 2, 3), (1,)]),
+                                    slow_sets=[(0, 1, 2, 3), (0, 2, 3), (1,)], graphs=2),
          id="layers2-steps3-padded-" + shape_id(torch.float32, **CPU_SHAPE)),
+    # rows and frame padded: three rows with a 1,536-token frame take the shape of four with 2,048
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=(1800, 700, 1100, 650), layers=2, steps=2,
+                                    top_k="torch", slow_sets=[(0, 1, 2, 3), (1, 2, 3)], graphs=1),
+         id="layers2-steps2-padded_frame-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, shape, id="layers3-steps4-" + shape_id(dtype, **shape), selection=dtype == torch.bfloat16)
       for dtype, shape in GPU),
     *(case("cuda", dtype, dict(**shape, chunk_bytes=1), id="layers3-steps4-chunk1-" + shape_id(dtype, **shape))
@@ -327,6 +338,12 @@ def test_packed_layer(device, dtype, kw):
     # three rows padded to four (an 8K frame: small enough to pad): the four rows' graph
     *(case("cuda", dtype, dict(**shape, steps=4, slow_sets=[(0, 1, 2, 3), (0, 2, 3)], graphs=1),
            id="layers3-steps4-padded-" + shape_id(dtype, **shape))
+      for dtype, shape in GPU),
+    # one graph kept: the second shape evicts the first's graph (the pool's last), then captures
+    # into a new pool
+    *(case("cuda", dtype, dict(**shape, steps=6, slow_sets=[(0, 1, 2, 3)] * 3 + [(1, 3)] * 3, graphs=2,
+                               max_graphs=1, runs=(2, 2, 2)),
+           id="layers3-steps6-evicted-" + shape_id(dtype, **shape))
       for dtype, shape in GPU),
 ])
 def test_step_refresh(device, dtype, kw):
