@@ -108,3 +108,17 @@ def test_a_gpu_scratch_is_allocated_at_its_largest_size_at_once():
     assert sr.scratch_numel(10, cuda) == 1024
     assert sr.scratch_numel(5000, cuda) == 5000
     assert sr.scratch_numel(10, cpu) == 10
+
+
+def test_staged_jobs_pad_small_shapes_to_powers_of_two():
+    """padded_shape: rows to a power of two, frames up to 16K too, while rows x frame stays within
+    64K tokens; longer frames and larger products as they are."""
+    from sfi_vllm.backends.step_refresh import padded_shape
+
+    assert padded_shape(3, 6144) == (4, 8192)
+    assert padded_shape(5, 8192) == (8, 8192)
+    assert padded_shape(1, 10240) == (1, 16384)
+    assert padded_shape(9, 8192) == (9, 8192)  # 16 x 8192 is over 64K tokens
+    assert padded_shape(1, 34816) == (1, 34816)  # frames over 16K are not widened
+    assert padded_shape(3, 20480) == (3, 20480)
+    assert padded_shape(4, 4096) == (4, 4096)

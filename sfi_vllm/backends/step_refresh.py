@@ -78,9 +78,12 @@ from sfi_vllm.selector import select_batched_static
 # frames of 4,096-8,192 tokens (3 buckets), and with 4 graphs kept ran 403 of its 535 refreshes
 # eagerly.
 STEP_MAX_GRAPHS = 64
-# padded_shape: jobs are padded while rows x frame stays within this many tokens (the selection's
-# work grows with it; up to here it is small next to the launches a graph saves)
+# padded_shape: jobs are padded while rows x frame stays within this many tokens, and frames only
+# up to PAD_MAX_FRAME (the selection's work grows with both; up to here it is small next to the
+# launches a graph saves, while a longer frame's work is the device's, and its bucket changes only
+# every 2,048 tokens of growth)
 PAD_MAX_TOKENS = 1 << 16
+PAD_MAX_FRAME = 1 << 14
 # Logits + norms of the layers scored together (float32); larger shapes score fewer layers at once.
 # One scratch of at most this size (or one layer's, if larger) serves every graph.
 LOGITS_BYTES = 256 << 20
@@ -201,12 +204,13 @@ def score_row_tables(plan, rows: int) -> torch.Tensor:
 
 def padded_shape(rows: int, width: int) -> tuple[int, int]:
     """The rows and frame width a staged job of ``rows`` slow rows and a ``width``-token frame
-    runs with: both rounded up to powers of two while their product stays within
-    ``PAD_MAX_TOKENS``, else as they are. Padding rows repeat the first row's inputs (so every
+    runs with: the rows rounded up to a power of two, and the frame too if it is at most
+    ``PAD_MAX_FRAME``, while their product stays within ``PAD_MAX_TOKENS``; else as they are. Padding rows repeat the first row's inputs (so every
     kernel sees real data) and write no set (``repack_selected``'s set ``-1``); positions past a
     row's context are masked, so a wider frame selects the same tokens up to the order of float
     sums (the Selector's kernels split their statistics by the frame's width)."""
-    r, w = 1 << (rows - 1).bit_length(), 1 << (width - 1).bit_length()
+    r = 1 << (rows - 1).bit_length()
+    w = 1 << (width - 1).bit_length() if width <= PAD_MAX_FRAME else width
     return (r, w) if r * w <= PAD_MAX_TOKENS else (rows, width)
 
 
