@@ -71,6 +71,32 @@ class RowGeometry(NamedTuple):
         budget = cfg.selected_budget(context_len)
         return cls(context_len, sinks, ws, budget, max(0, min(budget, ws - sinks)))
 
+    @classmethod
+    def many(cls, configs, contexts) -> list["RowGeometry"]:
+        """``RowGeometry.at`` of each (config, context) pair: the same formulas, with each config's
+        constants read once (a step plan makes one per row, every step: at a batch of 128 rows this
+        takes half the time of calling :meth:`at` per row)."""
+        out = []
+        consts: dict[int, tuple] = {}
+        last = k = None
+        for cfg, c in zip(configs, contexts):
+            if cfg is not last:  # rows of one config are the common case
+                k = consts.get(id(cfg))
+                if k is None:  # K depends on the context only under selected_fraction
+                    fixed = cfg.selected_budget(0) if cfg.policy == "streaming" or cfg.selected_fraction is None else None
+                    k = consts[id(cfg)] = (cfg.sinks, cfg.recent_window, cfg.window_align, fixed)
+                last = cfg
+            sinks, window, align, budget = k
+            if c < sinks:
+                sinks = c
+            raw = c - window
+            ws = sinks if raw <= sinks else max(sinks, raw // align * align)
+            if budget is None:
+                budget = cfg.selected_budget(c)
+            selected = min(budget, ws - sinks)
+            out.append(cls(c, sinks, ws, budget, selected if selected > 0 else 0))
+        return out
+
     @property
     def candidates(self) -> int:
         """Tokens between the sinks and the window, that a slow step selects from."""

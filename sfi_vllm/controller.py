@@ -83,7 +83,7 @@ class StepPlan:
 
     def __post_init__(self) -> None:
         if self.context is not None:
-            self.geometry = [RowGeometry.at(cfg, ctx) for cfg, ctx in zip(self.configs, self.context)]
+            self.geometry = RowGeometry.many(self.configs, self.context)
 
     def rows(self, mode: StepMode) -> list[int]:
         return [i for i, m in enumerate(self.modes) if m == mode]
@@ -429,13 +429,12 @@ class SFIController:
                     self.stats.get(req_ids[i]).reuse_offset = int(self.trigger.offset[slots[i]])
         refresh_all = [False] * n
         slow_counts = [0] * n
-        for i in range(n):
-            if modes[i] == StepMode.SLOW:
-                refresh_all[i] = reasons[i] in FIRST_SELECTION
-                slow_counts[i] = self.slow_count[slots[i]]
-                self.slow_count[slots[i]] += 1
-            self.stats.record_step(req_ids[i], modes[i], reasons[i], context[i], prompt_lens[i])
         slow = [i for i in range(n) if modes[i] == StepMode.SLOW]
+        for i in slow:
+            refresh_all[i] = reasons[i] in FIRST_SELECTION
+            slow_counts[i] = self.slow_count[slots[i]]
+            self.slow_count[slots[i]] += 1
+        self.stats.record_steps(req_ids, modes, reasons, context, prompt_lens)
         # a slow row that already has a compact set may attend through it (slow_attention keys)
         keys_only = [modes[i] == StepMode.SLOW and reasons[i] not in FIRST_SELECTION
                      and self.slot_cfg[slots[i]].slow_attention == "keys" for i in range(n)]

@@ -62,6 +62,20 @@ def test_geometry_equals_the_formulas(extra):
         g.selected = 1  # frozen: a plan's rows cannot drift from their context
 
 
+def test_many_rows_at_once_equal_one_row_at_a_time():
+    # every config beside every other, in an order that revisits each (the constants are read
+    # once per config object), and a config that differs from another only in its budget's form
+    cfgs = [config(extra) for extra in CONFIGS]
+    cfgs.append(config({**CONFIGS[3], "selected_fraction": None, "selected_tokens": 7}))
+    rng = np.random.default_rng(0)
+    pairs = [(cfgs[i], int(c)) for i, c in zip(rng.integers(0, len(cfgs), 400), rng.integers(0, 3000, 400))]
+    pairs += [(cfg, ctx) for cfg in cfgs for ctx in CONTEXTS]
+    got = RowGeometry.many([c for c, _ in pairs], [n for _, n in pairs])
+    assert got == [RowGeometry.at(c, n) for c, n in pairs]
+    assert all(type(g) is RowGeometry for g in got)
+    assert RowGeometry.many([], []) == []
+
+
 def test_a_controller_plan_carries_each_rows_geometry_under_its_own_config():
     engine = {**BASE, "sinks": 4, "recent_window": 32, "selected_tokens": 24, "reuse_budget": 3}
     ctl = SFIController(build_config(engine, use_env=False), fake_vllm_config(engine, max_num_seqs=4))

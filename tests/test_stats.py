@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from sfi_vllm.stats import StatsRegistry
 from sfi_vllm.trigger import SlowReason, StepMode
 
@@ -242,3 +244,23 @@ def test_the_speed_benchmark_counts_requests_that_ran_densely(monkeypatch):
     monkeypatch.setattr(controller, "current_controller", lambda: ctl)
     totals = e2e_bench._stats_totals(llm=None)
     assert totals[:2] == (3, 27) and totals[7] == 2
+
+
+def test_a_steps_rows_recorded_at_once_equal_rows_recorded_one_by_one():
+    rng = np.random.default_rng(0)
+    kinds = [(StepMode.PREFILL, SlowReason.NONE), (StepMode.DENSE, SlowReason.NONE),
+             (StepMode.FAST, SlowReason.NONE), (StepMode.SLOW, SlowReason.FIRST_DECODE),
+             (StepMode.SLOW, SlowReason.REUSE_BUDGET), (StepMode.SLOW, SlowReason.BOUNDARY)]
+    one, batched = StatsRegistry(), StatsRegistry()
+    for _ in range(40):  # steps of 6 rows drawn from 8 requests (a request may be new)
+        rows = rng.choice(8, 6, replace=False)
+        picks = [kinds[k] for k in rng.integers(0, len(kinds), 6)]
+        ids = [f"req{r}" for r in rows]
+        modes, reasons = [int(m) for m, _ in picks], [int(r) for _, r in picks]
+        contexts = [int(c) for c in rng.integers(100, 9000, 6)]
+        prompts = [int(p) for p in rng.integers(50, 100, 6)]
+        for args in zip(ids, modes, reasons, contexts, prompts):
+            one.record_step(*args)
+        batched.record_steps(ids, modes, reasons, contexts, prompts)
+    assert batched._steps == one._steps and sum(one._steps.values()) == 240
+    assert {k: v.to_dict() for k, v in batched.active.items()} == {k: v.to_dict() for k, v in one.active.items()}

@@ -145,7 +145,7 @@ def make_step(
         seq_lens = cam.seq_lens.tolist()
     geometry = plan.geometry
     if geometry is None:
-        geometry = [RowGeometry.at(cfg, ctx) for cfg, ctx in zip(plan.configs, seq_lens)]
+        geometry = RowGeometry.many(plan.configs, seq_lens)
     # fast rows and keys-only slow rows attend to their compact sets; the others densely
     fast = [i for i in range(n) if i < plan.num_reqs and plan.attends_set(i)]
     slow = [i for i, m in enumerate(modes) if m == StepMode.SLOW]
