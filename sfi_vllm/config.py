@@ -155,6 +155,16 @@ class ExperimentalConfig(_StrictNumbers):
             "(docs/settings.md)"
         ),
     )
+    flash_dense_steps: bool = Field(
+        False,
+        description=(
+            "GPU kernel path, lossy mode: a decode step whose every row attends densely (rows in the "
+            "dense bridge or below dense_below_context, none fast or slow) runs FlashAttention over all "
+            "its rows in vLLM's piecewise CUDA graphs (attention outside the graph), instead of the "
+            "fast-step kernel's dense rows in a full graph. FlashAttention reads long dense rows faster "
+            "than that kernel on an H200; the piecewise step costs more host time (docs/settings.md)"
+        ),
+    )
     one_wave_splits: bool = Field(
         False,
         description=(

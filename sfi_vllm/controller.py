@@ -80,6 +80,9 @@ class StepPlan:
     # the plan from ``configs`` and ``context``, and read by every layer of the step; None while
     # ``context`` is None (the step's SFIStep then makes them from the metadata's lengths)
     geometry: list[RowGeometry] | None = field(default=None, init=False)
+    # every row is one decode token attending densely and ``experimental.flash_dense_steps`` is on:
+    # the step runs FlashAttention over all rows outside a full CUDA graph
+    flash_dense: bool = False
 
     def __post_init__(self) -> None:
         if self.context is not None:
@@ -100,7 +103,7 @@ class StepPlan:
 
     @property
     def needs_eager(self) -> bool:
-        return any(self.row_needs_eager(i) for i in range(self.num_reqs))
+        return self.flash_dense or any(self.row_needs_eager(i) for i in range(self.num_reqs))
 
 
 class SFIController:
@@ -450,6 +453,7 @@ class SFIController:
             configs=[self.slot_cfg[s] for s in slots],
             context=context,
             keys_only=keys_only if any(keys_only) else None,
+            flash_dense=self.cfg.experimental.flash_dense_steps and n > 0 and all(m == StepMode.DENSE for m in modes),
         )
         if slow and self.executor is not None:
             self.executor.plan(plan, slow)  # slow rows inside the step's CUDA graph, if they fit

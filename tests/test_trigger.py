@@ -505,3 +505,25 @@ def test_the_runner_hook_hashes_new_requests_prompts_from_the_input_batch():
     assert out[-2] == [None, None]
     runner.requests["b"].sampling_params = SimpleNamespace(extra_args=None, max_tokens=10)
     assert _runner_step_inputs(runner, [1, 5])[-2] == [None, 15]
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_flash_dense_steps_marks_only_steps_whose_every_row_decodes_densely(flash):
+    """``experimental.flash_dense_steps`` sends a step to the eager path (FlashAttention over all
+    rows) exactly when every row is a decode row attending densely: not with a prefill row in the
+    step, nor once a row re-selects or attends through its set; off, no step is sent for it."""
+    sfi = {"bridge_steps": 4, "reuse_budget": 8, "min_gap": 0, "boundary_trigger": False,
+           "experimental": {"flash_dense_steps": flash}}
+    ctl = _plan_controller(sfi)
+    prompt = [2000, 3000]
+    seen = []
+    for i in range(12):
+        # row b's prompt is still prefilling at step 0 (a chunk of 512 tokens)
+        scheduled = np.array([1, 512 if i == 0 else 1])
+        computed = np.array([2000 + i, 2488 if i == 0 else 3000 + i - 1])
+        plan = ctl.plan_step(["a", "b"], scheduled, computed, prompt, torch.tensor([3, 3]))
+        all_dense = all(m == StepMode.DENSE for m in plan.modes)
+        seen.append(all_dense)
+        assert plan.flash_dense == (flash and all_dense)
+        assert plan.needs_eager == (plan.flash_dense or any(plan.row_needs_eager(r) for r in range(2)))
+    assert seen[0] is False and any(seen) and not all(seen)  # the prefill step, the bridge, and after
