@@ -158,11 +158,13 @@ class ExperimentalConfig(_StrictNumbers):
     flash_dense_steps: bool = Field(
         False,
         description=(
-            "GPU kernel path, lossy mode: a decode step whose every row attends densely (rows in the "
-            "dense bridge or below dense_below_context, none fast or slow) runs FlashAttention over all "
-            "its rows in vLLM's piecewise CUDA graphs (attention outside the graph), instead of the "
-            "fast-step kernel's dense rows in a full graph. FlashAttention reads long dense rows faster "
-            "than that kernel on an H200; the piecewise step costs more host time (docs/settings.md)"
+            "GPU kernel path, lossy mode: a decode step whose every row attends densely (none fast, slow "
+            "or prefilling: the dense bridge, dense_below_context, policy dense, pool-full fallbacks) runs "
+            "FlashAttention over all its rows outside the CUDA graph (vLLM's piecewise graphs), instead of "
+            "the fast-step kernel's dense rows in a full graph. On the H200 the kernel's dense rows take 8-15% "
+            "longer than FlashAttention-3 at 16 x 16K, 8 x 32K and 1 x 128K, and FlashAttention-3 21% longer "
+            "at 6 x 128K; the step costs more host time "
+            "(docs/settings.md)"
         ),
     )
     one_wave_splits: bool = Field(
