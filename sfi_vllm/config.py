@@ -758,6 +758,11 @@ def config_from_vllm(vllm_config: Any) -> SFIConfig:
     extra = getattr(vllm_config, "additional_config", None) or {}
     if not isinstance(extra, dict):
         extra = {}
+    misspelt = [k for k in extra if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
+                and "".join(c for c in k.lower() if c.isalnum()) in ("sfi", "sfivllm")]
+    if misspelt:  # its settings would be ignored without a word
+        raise SFIConfigError(f"--additional-config: {misspelt[0]!r} is not SFI's key; give SFI's settings "
+                             f"under {ADDITIONAL_CONFIG_KEY!r} (lower case)")
     sfi = extra.get(ADDITIONAL_CONFIG_KEY, {})
     if sfi is None:
         sfi = {}

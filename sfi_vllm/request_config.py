@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sfi_vllm.config import PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
+from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -191,6 +191,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
         if value is None and path[0] not in REQUEST_FIXED_KEYS and path not in _NULLABLE:
             raise SFIRequestError(f"{name}: null is not a value of sfi.{'.'.join(path)}; leave the setting "
                                   "out to keep the engine's value", name)
+        unsendable = _unsendable(value)
+        if unsendable is not None:
+            raise SFIRequestError(f"{name}: {unsendable}", name)
         clash = [n for p, n in names.items() if p == path or p[:1] == path[:1] and (len(p) == 1 or len(path) == 1)]
         if clash:
             raise SFIRequestError(f"{name}: sfi.{'.'.join(path)} is given twice (also as {clash[0]})", name)
@@ -211,18 +214,22 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             except (ValueError, RecursionError) as e:  # JSONDecodeError, numbers or nesting past the parser's limits
                 raise SFIRequestError(f"{name}: must be a JSON object of SFI settings "
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
-        if not isinstance(raw, Mapping):
-            raise SFIRequestError(f"{name}: must be an object of SFI settings (a mapping, or a JSON object "
+        if not isinstance(raw, dict):
+            raise SFIRequestError(f"{name}: must be an object of SFI settings (a dict, or a JSON object "
                                   f"as a string); got {type(raw).__name__} {raw!r}", name)
         nested = _nested_models()
         for key, value in raw.items():
+            if key in MOVED_FIELDS:
+                raise SFIRequestError(f"{name}.{key}: moved to sfi.{MOVED_FIELDS[key]}", f"{name}.{key}")
             if not isinstance(key, str) or key not in SFIConfig.model_fields:
                 raise SFIRequestError(f"{name}: unknown SFI setting {key!r}; allowed: "
                                       f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
             if key in nested:
-                if isinstance(value, nested[key]):  # offline: the group's model, its fields as given
-                    value = value.model_dump(exclude_unset=True)
-                if not isinstance(value, Mapping):
+                if isinstance(value, nested[key]):  # offline: the engine process receives plain data only
+                    raise SFIRequestError(f"{name}.{key}: give the group as a dict, e.g. "
+                                          f"{type(value).__name__}(...).model_dump(exclude_unset=True); vLLM's "
+                                          "engine process cannot receive a settings object", f"{name}.{key}")
+                if not isinstance(value, dict):
                     raise SFIRequestError(f"{name}.{key}: must be an object of {key} settings "
                                           f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
                                           f"got {type(value).__name__} {value!r}", f"{name}.{key}")
@@ -241,6 +248,10 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                   "(a request's flat SFI keys are lower-case, sfi_ then the field, with "
                                   "underscores: sfi_selected_tokens, sfi_selector_alpha)", f"{where}.{key}")
         group = key[len(FLAT_PREFIX):] if key.startswith(FLAT_PREFIX) else None
+        if path is None and group in MOVED_FIELDS:
+            moved = MOVED_FIELDS[group]
+            raise SFIRequestError(f"{where}.{key}: moved to sfi.{moved} "
+                                  f"({FLAT_PREFIX}{moved.replace('.', '_')})", f"{where}.{key}")
         if path is None and group in _nested_models():
             first = next(iter(_nested_models()[group].model_fields))
             raise SFIRequestError(f"{where}.{key}: {group} is a group of settings; give each as its own key "
@@ -262,6 +273,22 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     if not names:
         return None
     return overrides, names
+
+
+def _unsendable(value: Any) -> str | None:
+    """Why vLLM's engine process cannot receive a setting's value (None: it can). vLLM sends
+    ``extra_args`` there with msgpack, which takes str, bool, int within 64 bits, float, None and
+    lists of them, but not numpy scalars or other objects; it raises a TypeError after the request
+    is half added, and an offline engine then hangs. Over HTTP only an integer can be out of range."""
+    if value is None or type(value) in (str, bool, float):
+        return None
+    if type(value) is int:
+        return None if -2**63 <= value < 2**64 else f"{value} is outside the range of a 64-bit integer"
+    if type(value) in (list, tuple):
+        return next((why for why in map(_unsendable, value) if why is not None), None)
+    return (f"{type(value).__module__}.{type(value).__qualname__} {value!r} is not a plain value (a str, bool, "
+            "int, float, or a list of them), which vLLM's engine process cannot receive; convert it "
+            "(int(x), float(x), x.tolist())")
 
 
 # policy fields a request may give as null: the budget form not in force, and no preset

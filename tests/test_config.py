@@ -118,6 +118,22 @@ def test_from_vllm_additional_config():
         config_from_vllm(Bad())
 
 
+@pytest.mark.parametrize("key", ["SFI", "Sfi", "sfi-vllm", "sfi_vllm", " sfi"])
+def test_a_misspelt_sfi_key_in_additional_config_is_refused(key):
+    """Settings under a key that is not exactly ``sfi`` would be ignored: start-up stops instead;
+    other extensions' keys pass."""
+    class V:
+        additional_config = {key: {"policy": "dense"}, "sfinder": {"x": 1}}
+
+    with pytest.raises(SFIConfigError, match=f"{key!r} is not SFI's key"):
+        config_from_vllm(V())
+
+    class Other:
+        additional_config = {"sfinder": {"x": 1}, "sfi": {"reuse_budget": 30}}
+
+    assert config_from_vllm(Other()).reuse_budget == 30
+
+
 def test_slow_refresh_auto_picks_per_step_up_to_the_measured_bound():
     from sfi_vllm.backends.step_refresh import AUTO_MAX_TOKENS, refresh_per_step
 

@@ -14,6 +14,7 @@ from sfi_vllm.request_config import (
     EngineLimits,
     SFIRequestError,
     flat_keys,
+    mapping_name,
     resolve_request_config,
 )
 from sfi_vllm.trigger import StepMode
@@ -175,7 +176,9 @@ def test_an_engines_config_refuses_booleans_for_numbers_and_non_finite_numbers()
 def test_a_fixed_key_at_the_engines_value_and_a_dense_request_of_any_budget_are_accepted():
     lim = limits()
     for key in REQUEST_FIXED_KEYS:
-        assert resolve_request_config(lim, {"sfi": {key: getattr(lim.cfg, key)}}) == lim.cfg
+        value = getattr(lim.cfg, key)
+        value = value.model_dump() if hasattr(value, "model_dump") else value  # a group as plain data
+        assert resolve_request_config(lim, {"sfi": {key: value}}) == lim.cfg
     assert resolve_request_config(lim, {"sfi_policy": "dense", "sfi_selected_tokens": 4096}).policy == "dense"
 
 
@@ -341,10 +344,14 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
     assert "ExperimentalConfig(" not in str(e.value)
     same = resolve_request_config(lim, {"sfi": {"experimental": {"selector_top_k": "auto"}}})  # the engine's
     assert same.experimental.selector_top_k == "auto"
-    with pytest.raises(SFIRequestError, match="unknown SFI setting; allowed: .*sfi_experimental_selector_top_k"):
-        resolve_request_config(lim, {"sfi_selector_top_k": "triton"})
-    with pytest.raises(SFIRequestError, match="unknown SFI setting .selector_top_k.; allowed: .*experimental"):
-        resolve_request_config(lim, {"sfi": {"selector_top_k": "triton"}})
+    # its old top-level place is named with the new one, as at start-up
+    for extra, param in (({"sfi": '{"selector_top_k": "torch"}'}, "vllm_xargs.sfi.selector_top_k"),
+                         ({"sfi_selector_top_k": "torch"}, "vllm_xargs.sfi_selector_top_k")):
+        with pytest.raises(SFIRequestError, match="moved to sfi.experimental.selector_top_k") as info:
+            resolve_request_config(lim, extra)
+        assert info.value.param == param
+    with pytest.raises(SFIConfigError, match="moved to sfi.experimental.selector_top_k"):
+        build_config({"selector_top_k": "torch"}, use_env=False)
 
 
 def _union(engine: dict, request: dict) -> dict:
@@ -422,13 +429,32 @@ def test_a_null_budget_form_beside_the_other_and_a_null_preset_are_no_settings()
     assert resolve_request_config(lim, {"sfi_preset": None, "sfi_sinks": 2}).sinks == 2
 
 
-def test_an_offline_group_model_sets_the_fields_it_was_given():
-    """``extra_args={"sfi": {"selector": SelectorConfig(alpha=1.0)}}`` (in-process engines: vLLM's
-    multiprocess engine sends extra_args through msgspec, which takes mappings, not models) sets
-    alpha; the Selector's other fields keep the engine's values, not the model's defaults."""
-    lim = limits({**ENGINE, "selector": {"page_size": 0, "use_nms": True}})
-    got = resolve_request_config(lim, {"sfi": {"selector": SelectorConfig(alpha=1.0)}})
-    assert (got.selector.alpha, got.selector.page_size, got.selector.use_nms) == (1.0, 0, True)
+def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
+    """vLLM sends ``extra_args`` to the engine process with msgpack: a settings object, a numpy
+    scalar (alone or in a list) or an integer past 64 bits fails there after the request is half
+    added (an offline engine then hangs), so validation refuses them, naming the field. The same
+    settings as plain values are accepted."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    lim = limits()
+    cases = [
+        ({"sfi": {"selector": SelectorConfig(alpha=1.0)}}, "extra_args.sfi.selector", "as a dict"),
+        ({"sfi": {"selected_tokens": np.int64(64)}}, "extra_args.sfi.selected_tokens", "numpy.int64"),
+        ({"sfi_selector_alpha": np.float64(1.0)}, "vllm_xargs.sfi_selector_alpha", "numpy.float64"),
+        ({"sfi_boundary_token_ids": [7, np.int32(8)]}, "vllm_xargs.sfi_boundary_token_ids", "numpy.int32"),
+        ({"sfi_reuse_budget": 2**64}, "vllm_xargs.sfi_reuse_budget", "64-bit"),
+    ]
+    encoder = MsgpackEncoder()
+    for extra, param, needle in cases:
+        with pytest.raises((TypeError, OverflowError)):  # what the refusal guards against
+            encoder.encode(extra)
+        with pytest.raises(SFIRequestError, match=needle) as info:
+            resolve_request_config(lim, extra, mapping_where=mapping_name(extra))
+        assert info.value.param == param
+    plain = {"sfi": {"selector": {"alpha": 1.0}, "selected_tokens": 32}, "sfi_boundary_token_ids": [7]}
+    encoder.encode(plain)
+    got = resolve_request_config(lim, plain, mapping_where=mapping_name(plain))
+    assert (got.selector.alpha, got.selected_tokens, tuple(got.boundary_token_ids)) == (1.0, 32, (7,))
 
 
 def test_a_preset_that_outgrows_the_buffers_is_named_with_what_it_brings():
