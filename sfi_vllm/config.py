@@ -753,16 +753,22 @@ def build_config(overrides: dict[str, Any] | None = None, *, use_env: bool = Tru
         raise error from None
 
 
+def refuse_misspelt_key(additional_config: Mapping) -> None:
+    """Raise :class:`SFIConfigError` for an ``--additional-config`` key that is SFI's written
+    otherwise (``SFI``, ``sfi-vllm``): the settings under it would be ignored without a word."""
+    for key in additional_config:
+        if (isinstance(key, str) and key != ADDITIONAL_CONFIG_KEY
+                and "".join(c for c in key.lower() if c.isalnum()) in ("sfi", "sfivllm")):
+            raise SFIConfigError(f"--additional-config: {key!r} is not SFI's key; give SFI's settings "
+                                 f"under {ADDITIONAL_CONFIG_KEY!r} (lower case)")
+
+
 def config_from_vllm(vllm_config: Any) -> SFIConfig:
     """The SFIConfig for an engine: ``additional_config["sfi"]`` over $SFI_CONFIG over the preset."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     if not isinstance(extra, dict):
         extra = {}
-    misspelt = [k for k in extra if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
-                and "".join(c for c in k.lower() if c.isalnum()) in ("sfi", "sfivllm")]
-    if misspelt:  # its settings would be ignored without a word
-        raise SFIConfigError(f"--additional-config: {misspelt[0]!r} is not SFI's key; give SFI's settings "
-                             f"under {ADDITIONAL_CONFIG_KEY!r} (lower case)")
+    refuse_misspelt_key(extra)
     sfi = extra.get(ADDITIONAL_CONFIG_KEY, {})
     if sfi is None:
         sfi = {}

@@ -7,7 +7,7 @@ request the front end accepts is configured identically in the worker.
 
 Two forms, which may be combined (a field given twice is an error):
 
-* ``extra_args["sfi"]``: a mapping of SFIConfig fields (``SamplingParams(extra_args={"sfi":
+* ``extra_args["sfi"]``: a dict of SFIConfig fields (``SamplingParams(extra_args={"sfi":
   {"selected_tokens": 512, "selector": {"alpha": 1.0}}})``), or the same object as a JSON string.
   The JSON string is what the OpenAI API can carry (``vllm_xargs`` holds only strings, numbers and
   lists, so a nested object gets a 400 from vLLM itself).
@@ -38,7 +38,7 @@ from pydantic import BaseModel
 
 from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
 
-REQUEST_KEY = "sfi"  # extra_args["sfi"]: a mapping, or a JSON object as a string
+REQUEST_KEY = "sfi"  # extra_args["sfi"]: a dict, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
 
 # SFIConfig fields that a request's own settings cannot change: the EngineSettings fields (they
@@ -173,7 +173,8 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     SFIConfig fields, and for each field path the name the client used (for error messages).
     Raises :class:`SFIRequestError` for a malformed ``sfi`` entry (``null`` included), an unknown
     ``sfi_*`` key, a field given twice, a ``null`` value (leaving a setting out keeps the
-    engine's) or a group of settings (``selector``) that is not an object. ``where`` prefixes the
+    engine's), a group of settings (``selector``) that is not an object, a field that moved (named
+    with its new place), or a value vLLM cannot send to its engine process (:func:`_unsendable`). ``where`` prefixes the
     names (``vllm_xargs`` over HTTP); ``mapping_where`` (default ``where``) those of the ``sfi``
     entry's fields."""
     if extra_args is None:
@@ -183,7 +184,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     overrides: dict[str, Any] = {}
     names: dict[tuple, str] = {}
 
-    def put(path: tuple[str, ...], value: Any, name: str) -> None:
+    def put(path: tuple[str, ...], value: Any, name: str, parsed: bool = False) -> None:
         # null is no request value of a policy field (merged, the field would take its class
         # default, not the engine's value), but for the form of the budget not in force (checked
         # below) and a preset (none: the engine's values); an engine-wide field's null is compared
@@ -191,7 +192,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
         if value is None and path[0] not in REQUEST_FIXED_KEYS and path not in _NULLABLE:
             raise SFIRequestError(f"{name}: null is not a value of sfi.{'.'.join(path)}; leave the setting "
                                   "out to keep the engine's value", name)
-        unsendable = _unsendable(value)
+        unsendable = None if parsed else _unsendable(value)  # a JSON string's values are plain data
         if unsendable is not None:
             raise SFIRequestError(f"{name}: {unsendable}", name)
         clash = [n for p, n in names.items() if p == path or p[:1] == path[:1] and (len(p) == 1 or len(path) == 1)]
@@ -206,7 +207,11 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     if REQUEST_KEY in extra_args:
         raw = extra_args[REQUEST_KEY]
         name = f"{mapping_where or where}.{REQUEST_KEY}"
-        if isinstance(raw, str):
+        parsed = isinstance(raw, str)
+        if parsed:
+            unsendable = _unsendable(raw)  # a str subclass (numpy.str_) vLLM cannot send
+            if unsendable is not None:
+                raise SFIRequestError(f"{name}: {unsendable}", name)
             try:
                 raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
             except _DuplicateKey as e:
@@ -234,9 +239,12 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                           f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
                                           f"got {type(value).__name__} {value!r}", f"{name}.{key}")
                 for inner, v in value.items():
-                    put((key, str(inner)), v, f"{name}.{key}.{inner}")
+                    if type(inner) is not str:  # a str subclass vLLM might not send, or no name at all
+                        raise SFIRequestError(f"{name}.{key}: unknown {key} setting {inner!r}; allowed: "
+                                              f"{', '.join(nested[key].model_fields)}", f"{name}.{key}")
+                    put((key, inner), v, f"{name}.{key}.{inner}", parsed)
             else:
-                put((key,), value, f"{name}.{key}")
+                put((key,), value, f"{name}.{key}", parsed)
     keys = flat_keys()
     for key, value in extra_args.items():
         if not _looks_sfi(key) or key == REQUEST_KEY:
@@ -276,19 +284,22 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
 
 
 def _unsendable(value: Any) -> str | None:
-    """Why vLLM's engine process cannot receive a setting's value (None: it can). vLLM sends
-    ``extra_args`` there with msgpack, which takes str, bool, int within 64 bits, float, None and
-    lists of them, but not numpy scalars or other objects; it raises a TypeError after the request
-    is half added, and an offline engine then hangs. Over HTTP only an integer can be out of range."""
-    if value is None or type(value) in (str, bool, float):
+    """Why vLLM cannot send a setting's value from its front end to its engine process (None: it
+    can), found by encoding it with vLLM's own encoder (msgpack: plain data, not numpy scalars or
+    other objects). vLLM raises after the request is half added, and an offline engine then hangs,
+    so the check is made first. An int passes here: every integer field a request may set has
+    bounds, which the field's own check reports better than the encoder's 64-bit limit."""
+    if type(value) in (str, bool, int, float) or value is None:
         return None
-    if type(value) is int:
-        return None if -2**63 <= value < 2**64 else f"{value} is outside the range of a 64-bit integer"
-    if type(value) in (list, tuple):
-        return next((why for why in map(_unsendable, value) if why is not None), None)
-    return (f"{type(value).__module__}.{type(value).__qualname__} {value!r} is not a plain value (a str, bool, "
-            "int, float, or a list of them), which vLLM's engine process cannot receive; convert it "
-            "(int(x), float(x), x.tolist())")
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    try:
+        MsgpackEncoder().encode(value)
+    except Exception as e:  # TypeError for an object msgpack does not know, OverflowError past 64 bits
+        return (f"{type(value).__module__}.{type(value).__qualname__} {value!r} cannot be sent to vLLM's engine "
+                f"process ({type(e).__name__}: {str(e).split('Set VLLM_')[0].strip()}); give plain data: "
+                "a str, bool, int, float, or a list of them (str(x), int(x), float(x), x.tolist())")
+    return None
 
 
 # policy fields a request may give as null: the budget form not in force, and no preset

@@ -431,9 +431,13 @@ def test_a_null_budget_form_beside_the_other_and_a_null_preset_are_no_settings()
 
 def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
     """vLLM sends ``extra_args`` to the engine process with msgpack: a settings object, a numpy
-    scalar (alone or in a list) or an integer past 64 bits fails there after the request is half
-    added (an offline engine then hangs), so validation refuses them, naming the field. The same
-    settings as plain values are accepted."""
+    scalar (alone, in a list, or as the ``sfi`` string) or an integer past 64 bits in a list fails
+    there after the request is half added (an offline engine then hangs), so validation refuses
+    them, naming the field. What msgpack sends (dict subclasses, tuples) passes on to the fields'
+    own checks, which also bound a single integer."""
+    from collections import OrderedDict
+    from types import MappingProxyType
+
     from vllm.v1.serial_utils import MsgpackEncoder
 
     lim = limits()
@@ -442,7 +446,8 @@ def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
         ({"sfi": {"selected_tokens": np.int64(64)}}, "extra_args.sfi.selected_tokens", "numpy.int64"),
         ({"sfi_selector_alpha": np.float64(1.0)}, "vllm_xargs.sfi_selector_alpha", "numpy.float64"),
         ({"sfi_boundary_token_ids": [7, np.int32(8)]}, "vllm_xargs.sfi_boundary_token_ids", "numpy.int32"),
-        ({"sfi_reuse_budget": 2**64}, "vllm_xargs.sfi_reuse_budget", "64-bit"),
+        ({"sfi_boundary_token_ids": [2**64]}, "vllm_xargs.sfi_boundary_token_ids", "OverflowError"),
+        ({"sfi": np.str_('{"sinks": 4}')}, "vllm_xargs.sfi", "numpy.str_"),
     ]
     encoder = MsgpackEncoder()
     for extra, param, needle in cases:
@@ -451,7 +456,13 @@ def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
         with pytest.raises(SFIRequestError, match=needle) as info:
             resolve_request_config(lim, extra, mapping_where=mapping_name(extra))
         assert info.value.param == param
-    plain = {"sfi": {"selector": {"alpha": 1.0}, "selected_tokens": 32}, "sfi_boundary_token_ids": [7]}
+    with pytest.raises(SFIRequestError, match="must be an object of SFI settings") as info:
+        resolve_request_config(lim, {"sfi": MappingProxyType({"sinks": 4})})
+    with pytest.raises(SFIRequestError, match=r"allowed: 1 <= value") as info:  # the field's bound
+        resolve_request_config(lim, {"sfi_reuse_budget": 2**64})
+    with pytest.raises(SFIRequestError, match="valid integer") as info:  # pydantic's type error
+        resolve_request_config(lim, {"sfi": '{"sinks": {"x": 1}}'})
+    plain = {"sfi": OrderedDict(selector=OrderedDict(alpha=1.0), selected_tokens=32), "sfi_boundary_token_ids": (7,)}
     encoder.encode(plain)
     got = resolve_request_config(lim, plain, mapping_where=mapping_name(plain))
     assert (got.selector.alpha, got.selected_tokens, tuple(got.boundary_token_ids)) == (1.0, 32, (7,))

@@ -105,6 +105,9 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
 @pytest.mark.parametrize("attention_backend, extra, needle", [
     # SFI settings on an engine without the SFI backend would be ignored
     (None, dict(additional_config={"sfi": {"selected_tokens": 64}}), "add --attention-backend sfi (offline"),
+    # SFI's key written otherwise would be ignored, with the SFI backend or without it
+    ("sfi", dict(additional_config={"SFI": {"policy": "dense"}}), "'SFI' is not SFI's key"),
+    (None, dict(additional_config={"sfi-vllm": {"policy": "dense"}}), "'sfi-vllm' is not SFI's key"),
     # what the SFI backends cannot read
     ("sfi", dict(kv_cache_dtype="fp8"), "model's dtype; got --kv-cache-dtype fp8: drop --kv-cache-dtype"),
     ("sfi", dict(kv_cache_dtype="bfloat16"), "got --kv-cache-dtype bfloat16"),  # on the CPU: auto only

@@ -241,10 +241,16 @@ def install_request_validation(cfg, model_config) -> None:
 
 
 def refuse_sfi_settings_without_sfi(vllm_config) -> None:
-    """SFI settings (a non-empty ``sfi`` in ``--additional-config``) on an engine whose attention
-    backend is not sfi would be ignored: stop start-up instead, saying what to add."""
+    """SFI settings (a non-empty ``sfi`` in ``--additional-config``, or SFI's key misspelt) on an
+    engine whose attention backend is not sfi would be ignored: stop start-up instead, saying what
+    to add."""
+    from sfi_vllm.config import refuse_misspelt_key
+
     extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get("sfi"):
+    if not isinstance(extra, dict):
+        return
+    refuse_misspelt_key(extra)
+    if extra.get("sfi"):
         raise SFIStartupError("sfi-vllm: --additional-config holds SFI settings (its 'sfi' key), but the "
                               "attention backend is not sfi, so they would be ignored: add "
                               "--attention-backend sfi (offline: LLM(attention_backend=\"sfi\")), or drop them")
