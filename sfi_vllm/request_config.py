@@ -264,7 +264,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             first = next(iter(_nested_models()[group].model_fields))
             raise SFIRequestError(f"{where}.{key}: {group} is a group of settings; give each as its own key "
                                   f"({FLAT_PREFIX}{group}_{first}), or the group as an object inside the "
-                                  f"{REQUEST_KEY} JSON string ('{{\"{group}\": {{\"{first}\": ...}}}}')",
+                                  f"{REQUEST_KEY} JSON string ('{{\"{group}\": {{\"{first}\": ...}}}}')"
+                                  + ("; its settings are engine-wide: a request may only repeat the engine's values"
+                                     if group in REQUEST_FIXED_KEYS else ""),
                                   f"{where}.{key}")
         if path is None:
             raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "

@@ -344,6 +344,8 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
     assert "ExperimentalConfig(" not in str(e.value)
     same = resolve_request_config(lim, {"sfi": {"experimental": {"selector_top_k": "auto"}}})  # the engine's
     assert same.experimental.selector_top_k == "auto"
+    with pytest.raises(SFIRequestError, match="engine-wide: a request may only repeat the engine's values"):
+        resolve_request_config(lim, {"sfi_experimental": 1})
     # its old top-level place is named with the new one, as at start-up
     for extra, param in (({"sfi": '{"selector_top_k": "torch"}'}, "vllm_xargs.sfi.selector_top_k"),
                          ({"sfi_selector_top_k": "torch"}, "vllm_xargs.sfi_selector_top_k")):
