@@ -760,7 +760,7 @@ def refuse_misspelt_key(additional_config: Mapping) -> None:
         if (isinstance(key, str) and key != ADDITIONAL_CONFIG_KEY
                 and "".join(c for c in key.lower() if c.isalnum()) in ("sfi", "sfivllm")):
             raise SFIConfigError(f"--additional-config: {key!r} is not SFI's key; give SFI's settings "
-                                 f"under {ADDITIONAL_CONFIG_KEY!r} (lower case)")
+                                 f"under {ADDITIONAL_CONFIG_KEY!r} (lower case), with --attention-backend sfi")
 
 
 def config_from_vllm(vllm_config: Any) -> SFIConfig:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel
 
 from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
@@ -174,9 +176,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     Raises :class:`SFIRequestError` for a malformed ``sfi`` entry (``null`` included), an unknown
     ``sfi_*`` key, a field given twice, a ``null`` value (leaving a setting out keeps the
     engine's), a group of settings (``selector``) that is not an object, a field that moved (named
-    with its new place), or a value vLLM cannot send to its engine process (:func:`_unsendable`). ``where`` prefixes the
-    names (``vllm_xargs`` over HTTP); ``mapping_where`` (default ``where``) those of the ``sfi``
-    entry's fields."""
+    with its new place), or a value vLLM would not send to its engine process as plain data
+    (:func:`_unsendable`). ``where`` prefixes the names (``vllm_xargs`` over HTTP);
+    ``mapping_where`` (default ``where``) those of the ``sfi`` entry's fields."""
     if extra_args is None:
         return None
     if not isinstance(extra_args, Mapping):
@@ -221,13 +223,13 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
         if not isinstance(raw, dict):
             raise SFIRequestError(f"{name}: must be an object of SFI settings (a dict, or a JSON object "
-                                  f"as a string); got {type(raw).__name__} {raw!r}", name)
+                                  f"as a string); got {type(raw).__name__} {reprlib.repr(raw)}", name)
         nested = _nested_models()
         for key, value in raw.items():
             if key in MOVED_FIELDS:
                 raise SFIRequestError(f"{name}.{key}: moved to sfi.{MOVED_FIELDS[key]}", f"{name}.{key}")
             if not isinstance(key, str) or key not in SFIConfig.model_fields:
-                raise SFIRequestError(f"{name}: unknown SFI setting {key!r}; allowed: "
+                raise SFIRequestError(f"{name}: unknown SFI setting {reprlib.repr(key)}; allowed: "
                                       f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
             if key in nested:
                 if isinstance(value, nested[key]):  # offline: the engine process receives plain data only
@@ -237,12 +239,12 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                 if not isinstance(value, dict):
                     raise SFIRequestError(f"{name}.{key}: must be an object of {key} settings "
                                           f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
-                                          f"got {type(value).__name__} {value!r}", f"{name}.{key}")
+                                          f"got {type(value).__name__} {reprlib.repr(value)}", f"{name}.{key}")
                 for inner, v in value.items():
-                    if type(inner) is not str:  # a str subclass vLLM might not send, or no name at all
-                        raise SFIRequestError(f"{name}.{key}: unknown {key} setting {inner!r}; allowed: "
-                                              f"{', '.join(nested[key].model_fields)}", f"{name}.{key}")
-                    put((key, inner), v, f"{name}.{key}.{inner}", parsed)
+                    if not isinstance(inner, str):
+                        raise SFIRequestError(f"{name}.{key}: unknown {key} setting {reprlib.repr(inner)}; "
+                                              f"allowed: {', '.join(nested[key].model_fields)}", f"{name}.{key}")
+                    put((key, str(inner)), v, f"{name}.{key}.{inner}", parsed)
             else:
                 put((key,), value, f"{name}.{key}", parsed)
     keys = flat_keys()
@@ -285,22 +287,25 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
     return overrides, names
 
 
+# plain msgpack, without vLLM's hooks (which send numpy arrays and tensors as raw buffers the
+# worker's settings cannot be read from); stateless, so one serves every thread
+_PLAIN_MSGPACK = msgspec.msgpack.Encoder()
+
+
 def _unsendable(value: Any) -> str | None:
-    """Why vLLM cannot send a setting's value from its front end to its engine process (None: it
-    can), found by encoding it with vLLM's own encoder (msgpack: plain data, not numpy scalars or
-    other objects). vLLM raises after the request is half added, and an offline engine then hangs,
-    so the check is made first. An int passes here: every integer field a request may set has
-    bounds, which the field's own check reports better than the encoder's 64-bit limit."""
+    """Why a setting's value would not reach vLLM's engine process as the same plain data (None:
+    it would). vLLM sends ``extra_args`` there with msgpack: numpy scalars and other objects make
+    it raise after the request is half added (an offline engine then hangs), and numpy arrays and
+    tensors arrive as raw buffers; so they are refused first. An int passes here: every integer
+    field a request may set has bounds, which the field's own check reports better than msgpack's
+    64-bit limit."""
     if type(value) in (str, bool, int, float) or value is None:
         return None
-    from vllm.v1.serial_utils import MsgpackEncoder
-
     try:
-        MsgpackEncoder().encode(value)
+        _PLAIN_MSGPACK.encode(value)
     except Exception as e:  # TypeError for an object msgpack does not know, OverflowError past 64 bits
-        return (f"{type(value).__module__}.{type(value).__qualname__} {value!r} cannot be sent to vLLM's engine "
-                f"process ({type(e).__name__}: {str(e).split('Set VLLM_')[0].strip()}); give plain data: "
-                "a str, bool, int, float, or a list of them (str(x), int(x), float(x), x.tolist())")
+        return (f"{reprlib.repr(value)} is not plain data vLLM sends to its engine process ({e}); give a str, "
+                "bool, int, float, or a list of them (str(x), int(x), float(x), x.tolist())")
     return None
 
 

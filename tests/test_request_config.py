@@ -448,7 +448,7 @@ def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
         ({"sfi": {"selected_tokens": np.int64(64)}}, "extra_args.sfi.selected_tokens", "numpy.int64"),
         ({"sfi_selector_alpha": np.float64(1.0)}, "vllm_xargs.sfi_selector_alpha", "numpy.float64"),
         ({"sfi_boundary_token_ids": [7, np.int32(8)]}, "vllm_xargs.sfi_boundary_token_ids", "numpy.int32"),
-        ({"sfi_boundary_token_ids": [2**64]}, "vllm_xargs.sfi_boundary_token_ids", "OverflowError"),
+        ({"sfi_boundary_token_ids": [2**64]}, "vllm_xargs.sfi_boundary_token_ids", "serialize ints"),
         ({"sfi": np.str_('{"sinks": 4}')}, "vllm_xargs.sfi", "numpy.str_"),
     ]
     encoder = MsgpackEncoder()
@@ -458,13 +458,29 @@ def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
         with pytest.raises(SFIRequestError, match=needle) as info:
             resolve_request_config(lim, extra, mapping_where=mapping_name(extra))
         assert info.value.param == param
+    # vLLM sends arrays and tensors as raw buffers, from which the worker cannot read the setting
+    for extra, param in (({"sfi_sinks": np.array(2)}, "vllm_xargs.sfi_sinks"),
+                         ({"sfi_selector_alpha": torch.tensor(1.5)}, "vllm_xargs.sfi_selector_alpha"),
+                         ({"sfi_boundary_token_ids": np.array([7])}, "vllm_xargs.sfi_boundary_token_ids")):
+        with pytest.raises(SFIRequestError, match="not plain data") as info:
+            resolve_request_config(lim, extra)
+        assert info.value.param == param
+    with pytest.raises(SFIRequestError, match="unknown selector setting 1") as info:
+        resolve_request_config(lim, {"sfi": {"selector": {1: 2.0}}})
     with pytest.raises(SFIRequestError, match="must be an object of SFI settings") as info:
         resolve_request_config(lim, {"sfi": MappingProxyType({"sinks": 4})})
     with pytest.raises(SFIRequestError, match=r"allowed: 1 <= value") as info:  # the field's bound
         resolve_request_config(lim, {"sfi_reuse_budget": 2**64})
+    # a single int passes the plain-data check because every integer setting a request may give
+    # is bounded: one past 64 bits never reaches vLLM's encoder
+    for key in flat_keys():
+        for big in (2**64, -2**63 - 1):
+            with pytest.raises(SFIRequestError):
+                resolve_request_config(lim, {key: big})
     with pytest.raises(SFIRequestError, match="valid integer") as info:  # pydantic's type error
         resolve_request_config(lim, {"sfi": '{"sinks": {"x": 1}}'})
-    plain = {"sfi": OrderedDict(selector=OrderedDict(alpha=1.0), selected_tokens=32), "sfi_boundary_token_ids": (7,)}
+    plain = {"sfi": OrderedDict(selector=OrderedDict({np.str_("alpha"): 1.0}), selected_tokens=32),
+             "sfi_boundary_token_ids": (7,)}
     encoder.encode(plain)
     got = resolve_request_config(lim, plain, mapping_where=mapping_name(plain))
     assert (got.selector.alpha, got.selected_tokens, tuple(got.boundary_token_ids)) == (1.0, 32, (7,))
