@@ -87,3 +87,32 @@ def install_excepthook() -> None:
 
     sys.excepthook = hook
     _INSTALLED = True
+
+
+class EngineOptionsRefused(ValueError):
+    """vLLM refused an engine's options (:func:`vllm_options_refusal`'s line) in a process that
+    builds the engine for a command (``sfi-vllm eval``, ``fidelity``): raised in the command's own
+    process, to be printed as that line."""
+
+
+def vllm_options_refusal(e: BaseException) -> str | None:
+    """One line for engine options vLLM refused while building its configuration (a pydantic
+    ``ValidationError`` of one of ``vllm.config``'s classes); None for any other error."""
+    if type(e).__name__ != "ValidationError" or not callable(getattr(e, "errors", None)):
+        return None
+    import vllm.config
+
+    title = getattr(e, "title", "")
+    if not hasattr(vllm.config, title):  # not one of vLLM's configuration classes
+        return None
+    try:
+        items = e.errors()
+    except Exception:  # noqa: BLE001 - not pydantic's
+        return None
+    messages = []
+    for item in items:
+        # the field's path, without pydantic's names of union members (literal[...], is-instance[...])
+        loc = ".".join(str(x) for x in item.get("loc", ()) if isinstance(x, int) or str(x).isidentifier())
+        msg = " ".join(str(item.get("msg", "")).split())
+        messages.append(f"{loc}: {msg}" if loc else msg)
+    return f"vLLM refused the engine's options ({title}): " + "; ".join(m for m in messages if m)

@@ -169,6 +169,8 @@ def test_batch_command_refuses_bad_files_and_settings_before_loading(tmp_path, c
     assert "'sinks' is given twice" in capsys.readouterr().err
     # the engine flags are checked before the model is prepared (a missing directory is not reached)
     missing = str(tmp_path / "no-model")
+    assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--model", missing]) == 2
+    assert f"--model {missing}: no such directory" in capsys.readouterr().err
     assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--model", missing, "--engine-kwargs", "[1]"]) == 2
     assert "--engine-kwargs: must be a JSON object" in capsys.readouterr().err
     assert cli.main(["batch", str(inp), str(tmp_path / "o.jsonl"), "--model", missing,
@@ -194,10 +196,16 @@ def test_batch_with_nothing_left_to_run_loads_no_engine(tmp_path, capsys, monkey
     assert "nothing to run: all 2 requests" in err and "1 of them errors of an earlier run" in err
     out.write_text('{"id": "a", "text": "1"}\n{"id": "b", "text": "2"}\n')
     assert cli.main(["batch", str(inp), str(out), "--model", missing]) == 0
-    # with b's error retried, there is something to run: the model is then needed
+    # with b's error retried, there is something to run: the model is then needed (and checked)
     out.write_text('{"id": "a", "text": "1"}\n{"id": "b", "error": "E"}\n')
+    capsys.readouterr()
+    assert cli.main(["batch", str(inp), str(out), "--model", missing, "--retry-errors"]) == 2
+    assert f"--model {missing}: no such directory" in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     with pytest.raises(AssertionError, match="an engine was loaded"):
-        cli.main(["batch", str(inp), str(out), "--model", missing, "--retry-errors"])
+        cli.main(["batch", str(inp), str(out), "--model", str(model), "--retry-errors"])
 
 
 def test_batch_gives_lossless_mode_the_model_as_its_own_drafter_unless_told_otherwise(tmp_path, capsys):
@@ -467,6 +475,23 @@ def test_demo_ends_with_a_verdict(model_dir):
     assert cited and cited.group(1) in Path(cited.group(2)).read_text(), out
     assert re.search(r"dense: .*tok/s", proc.stderr), "no progress bar"
     assert "leaked" not in proc.stderr
+
+
+def test_demo_stats_line_without_fast_steps_and_results_links(monkeypatch, tmp_path):
+    """A demo whose every decode step was dense or slow (--max-tokens within the bridge) says so
+    instead of a share of 0% read; a results file outside the checkout (an installed wheel) is
+    named with where it is."""
+    from sfi_vllm.tools import demo
+
+    st = dict(slow_reasons={"first_decode": 1}, mean_attended_per_fast_step=0.0, mean_context_per_fast_step=0.0,
+              attended_fraction=0.0, slow_steps=1, decode_steps=9, fast_steps=0, dense_steps=8)
+    assert "attended: no fast steps (every decode step was dense or slow" in demo.format_stats(st)
+    st.update(fast_steps=3, decode_steps=12, mean_attended_per_fast_step=50.0, mean_context_per_fast_step=400.0,
+              attended_fraction=0.125)
+    assert "a fast step read 50 of 400 context tokens per layer and KV head (12.5%)" in demo.format_stats(st)
+    assert Path(demo.gpu_result_link()).is_file()  # this checkout has it
+    assert demo.gpu_result_link("benchmarks/results/none.md") == \
+        "benchmarks/results/none.md in sfi-vllm's source repository"
 
 
 def test_demo_lossless_verdict_line_and_engine(monkeypatch):

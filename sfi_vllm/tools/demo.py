@@ -74,17 +74,20 @@ def _side_by_side(left: str, right: str, width: int) -> str:
 def format_stats(st: dict[str, Any]) -> str:
     """Tokens attended against context, and the slow steps with why each fired."""
     reasons = ", ".join(f"{v} {SLOW_REASONS.get(k, k)}" for k, v in sorted(st["slow_reasons"].items())) or "none"
-    return (f"  attended: a fast step read {st['mean_attended_per_fast_step']:.0f} of "
-            f"{st['mean_context_per_fast_step']:.0f} context tokens per layer and KV head "
-            f"({100 * st['attended_fraction']:.1f}%)\n"
+    attended = (f"a fast step read {st['mean_attended_per_fast_step']:.0f} of "
+                f"{st['mean_context_per_fast_step']:.0f} context tokens per layer and KV head "
+                f"({100 * st['attended_fraction']:.1f}%)" if st["fast_steps"] else
+                "no fast steps (every decode step was dense or slow: give more --max-tokens)")
+    return (f"  attended: {attended}\n"
             f"  slow steps: {st['slow_steps']} of {st['decode_steps']} decode steps ({reasons}); "
             f"{st['fast_steps']} fast, {st['dense_steps']} dense (the bridge of the first decode steps after the "
             "prompt)")
 
 
-def gpu_result_link() -> str:
-    path = Path(__file__).resolve().parents[2] / GPU_RESULT_FILE
-    return str(path) if path.exists() else GPU_RESULT_FILE
+def gpu_result_link(name: str = GPU_RESULT_FILE) -> str:
+    """The results file in this checkout, or where it is when sfi-vllm was installed from a wheel."""
+    path = Path(__file__).resolve().parents[2] / name
+    return str(path) if path.exists() else f"{name} in sfi-vllm's source repository"
 
 
 def lossless_line(dense_ids: list[int], lossless: dict[str, Any], stats: dict[str, Any]) -> str:
@@ -213,7 +216,8 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
             raise RuntimeError(f"no SFI statistics for request {s['id']}")
         agree, total = forced_agreement(steps[f"demo-{i}"])
         agree_all, total_all = agree_all + agree, total_all + total
-        attended.append(st["attended_fraction"])
+        if st["fast_steps"]:
+            attended.append(st["attended_fraction"])
         div = first_divergence(d["token_ids"], s["token_ids"])
         print("\n" + "=" * width)
         print(f"request {i}: {d['prompt_tokens']}-token prompt: {prompts[i][:90]!r}...")
@@ -236,10 +240,10 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
                          lossless_first_divergence=first_divergence(d["token_ids"], lo["token_ids"]))
         report["requests"].append(entry)
     print("\n" + "=" * width)
-    mean_att = 100 * sum(attended) / max(len(attended), 1)
+    read = (f"while its fast steps read {100 * sum(attended) / len(attended):.1f}% of the context on average"
+            if attended else "with no fast steps (every decode step was dense or slow: give more --max-tokens)")
     print(f"Verdict: SFI chose dense's next token at {100 * agree_all / max(total_all, 1):.1f}% of "
-          f"{total_all} teacher-forced decode steps, while its fast steps read {mean_att:.1f}% of the "
-          "context on average.")
+          f"{total_all} teacher-forced decode steps, {read}.")
     print("What this shows: which decode steps SFI re-selects at (slow) and why, how little of the context "
           "the other (fast) steps attend to, and how often the next token still matches dense attention. "
           f"It does not show speed: on the CPU, SFI runs its torch reference path, which is not faster than "
@@ -258,7 +262,7 @@ def run_demo(num_prompts: int = 4, prompt_tokens: int = 1200, max_tokens: int = 
                 f"{tot['tokens_per_verify']:.2f} tokens per verify step")
         print(f"Lossless: with sfi.mode lossless the same working set drafted {LOSSLESS_DRAFTS} tokens per verify "
               f"and dense attention checked them: {tot['identical']} of {tot['requests']} outputs were dense's "
-              f"token for token, at {kept}. On an H200: {LOSSLESS_GPU_RESULT} ({LOSSLESS_GPU_RESULT_FILE}, "
+              f"token for token, at {kept}. On an H200: {LOSSLESS_GPU_RESULT} ({gpu_result_link(LOSSLESS_GPU_RESULT_FILE)}, "
               "part 11; docs/lossless.md).")
         report.update(lossless=tot, lossless_drafts=LOSSLESS_DRAFTS, lossless_sfi_config=ll["sfi_config"],
                       lossless_generate_s=ll["generate_s"])

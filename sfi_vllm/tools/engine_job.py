@@ -119,7 +119,15 @@ def _run(job: EngineJob) -> dict[str, Any]:
                              "engine_kwargs['additional_config']['sfi']): give them once")
         kwargs["additional_config"] = {**extra, "sfi": job.sfi}
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        from sfi_vllm.startup_errors import EngineOptionsRefused, vllm_options_refusal
+
+        line = vllm_options_refusal(e)
+        if line is None:
+            raise
+        raise EngineOptionsRefused(line) from None
     t_load = time.perf_counter() - t0
     if job.require_compact_sets and job.attention_backend:
         from sfi_vllm.controller import current_controller
@@ -454,9 +462,13 @@ def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: 
                           logprobs=req.get("logprobs"), extra_args=extra or None, **sampling)
 
 
+_REFUSED = 3  # the job's exit status when vLLM refused the engine's options
+
+
 def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: bool = True,
                    timeout: float | None = None) -> dict[str, Any]:
-    """Run ``job`` in a fresh Python process; raise with its log tail if it fails."""
+    """Run ``job`` in a fresh Python process; raise with its log tail if it fails, or
+    :class:`~sfi_vllm.startup_errors.EngineOptionsRefused` if vLLM refused the engine's options."""
     with tempfile.TemporaryDirectory(prefix="sfi-job-") as tmp:
         src, dst = Path(tmp) / "job.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(asdict(job)))
@@ -469,6 +481,10 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
             proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.engine_job", str(src), str(dst)],
                                   env=full_env, stdout=logf if quiet else None,
                                   stderr=subprocess.STDOUT if quiet else None, timeout=timeout)
+        if proc.returncode == _REFUSED and dst.exists():
+            from sfi_vllm.startup_errors import EngineOptionsRefused
+
+            raise EngineOptionsRefused(json.loads(dst.read_text())["refused"])
         if proc.returncode != 0 or not dst.exists():
             tail = log.read_text()[-6000:] if quiet else "(see the output above)"
             raise RuntimeError(f"engine job failed (exit {proc.returncode}):\n{tail}")
@@ -484,7 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     # process, as :func:`run_engine_job` also arranges.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     job = EngineJob(**json.loads(Path(argv[0]).read_text()))
-    result = _run(job)
+    from sfi_vllm.startup_errors import EngineOptionsRefused
+
+    try:
+        result = _run(job)
+    except EngineOptionsRefused as e:  # the caller prints the line, without this process's traceback
+        Path(argv[1]).write_text(json.dumps({"refused": str(e)}))
+        return _REFUSED
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

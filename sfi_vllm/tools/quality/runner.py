@@ -81,6 +81,11 @@ def save_suite(samples, path: str | os.PathLike) -> None:
             f.write(json.dumps(asdict(s)) + "\n")
 
 
+class SuiteFileError(ValueError):
+    """An ``--suite`` file that is not a suite, or lacks samples the run asks for: found before
+    any engine starts."""
+
+
 def load_suite(path: str | os.PathLike, tasks=None, contexts=None, n: int | None = None):
     """Samples from a :func:`save_suite` file: those of ``tasks`` and ``contexts`` (None: all)
     with index < ``n`` (None: all)."""
@@ -365,6 +370,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
              flow: bool = False, max_open: int | None = None, first_sample: int = 0) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
+    from sfi_vllm.startup_errors import EngineOptionsRefused
     from sfi_vllm.tools.engine_job import EngineJob, cpu_engine_env, load_stream, run_engine_job
     from sfi_vllm.tools.quality.tasks import TASKS, make_suite
 
@@ -380,11 +386,16 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     max_len, sfi, eng = engine_settings(model, engine_kwargs, list(policies) + list(ablations), retentions, contexts)
     t0 = time.time()
     if suite:
-        samples = [x for f in suite.split(",") for x in load_suite(f, tasks=set(tasks), contexts=set(contexts), n=n)]
+        samples = []
+        for f in suite.split(","):
+            try:
+                samples += load_suite(f, tasks=set(tasks), contexts=set(contexts), n=n)
+            except (KeyError, TypeError, json.JSONDecodeError) as e:  # not what save_suite writes
+                raise SuiteFileError(f"--suite {f}: not a file of `sfi-vllm suite` ({type(e).__name__}: {e})") from e
         have = {(s.task, s.context_tokens) for s in samples}
         lacking = [(t, c) for t in tasks for c in contexts if (t, c) not in have]
         if lacking:
-            raise ValueError(f"--suite {suite} has no samples for {lacking}")
+            raise SuiteFileError(f"--suite {suite} has no samples for {lacking}")
         src = f"loaded from {suite}"
     else:
         tok = AutoTokenizer.from_pretrained(model)
@@ -426,6 +437,8 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             print(f"engine finished in {time.time() - t0:.0f} s (load {res['load_s']:.0f} s, "
                   f"generate {res['generate_s']:.0f} s; {res['skipped']} requests skipped by the time limit)",
                   flush=True)
+        except EngineOptionsRefused:  # no engine ran: nothing to salvage
+            raise
         except Exception as e:  # salvage the finished phases, then fail the run
             failure = e
             res = load_stream(stream, len(requests))
