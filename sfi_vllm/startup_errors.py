@@ -90,9 +90,10 @@ def install_excepthook() -> None:
 
 
 class EngineOptionsRefused(ValueError):
-    """vLLM refused an engine's options (:func:`vllm_options_refusal`'s line) in a process that
-    builds the engine for a command (``sfi-vllm eval``, ``fidelity``): raised in the command's own
-    process, to be printed as that line."""
+    """vLLM or sfi-vllm refused an engine's options (:func:`startup_message`'s or
+    :func:`vllm_options_refusal`'s line) in a process that builds the engine for a command
+    (``sfi-vllm eval``, ``fidelity``, ``demo --lossless``): raised in the command's own process,
+    to be printed as that line."""
 
 
 def vllm_options_refusal(e: BaseException) -> str | None:

@@ -48,7 +48,7 @@ def test_eval_command_runs_the_suite_through_vllm(tmp_path):
 
 
 @pytest.mark.engine
-def test_eval_refusals_before_scoring_are_one_line(tmp_path, capsys):
+def test_eval_refusals_before_scoring_are_one_line(tmp_path, capfd):
     """Engine options vLLM refuses (in the engine's own process) and a --suite file that is not a
     suite end the command with one line and status 2, not tracebacks."""
     from sfi_vllm.tools.model_prep import prepare_model
@@ -57,11 +57,11 @@ def test_eval_refusals_before_scoring_are_one_line(tmp_path, capsys):
     base = ["eval", "--model", model, "--contexts", "512", "--tasks", "niah_single", "--samples", "1",
             "--policies", "sfi", "--retentions", "0.1", "--out", str(tmp_path / "q.jsonl"), "--no-progress"]
     assert cli.main(base + ["--dtype", "foo"]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # this process's and the engine process's
     assert "sfi-vllm eval: vLLM refused the engine's options (ModelConfig): dtype:" in err
     assert "Traceback" not in err
     not_a_suite = tmp_path / "rows.jsonl"
     not_a_suite.write_text('{"policy": "sfi"}\n')
     assert cli.main(base + ["--suite", str(not_a_suite)]) == 2
-    assert f"--suite {not_a_suite}: not a file of `sfi-vllm suite`" in capsys.readouterr().err
+    assert f"--suite {not_a_suite}: not a file of `sfi-vllm suite`" in capfd.readouterr().err
     assert not (tmp_path / "q.jsonl").exists()

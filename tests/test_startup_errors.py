@@ -355,8 +355,8 @@ def test_outputs_are_checked_before_a_command_runs(tmp_path):
     made, and two outputs that are one file, each as a usage error before anything runs."""
     from sfi_vllm.tools.cli import UsageError, build_parser, check_outputs
 
-    def check(*argv):
-        check_outputs(build_parser().parse_args(list(argv)))
+    def check(*argv, names=None):
+        check_outputs(build_parser().parse_args(list(argv)), names)
 
     check("eval", "--out", str(tmp_path / "a" / "rows.jsonl"), "--raw", str(tmp_path / "b" / "c" / "raw.jsonl"))
     assert (tmp_path / "a").is_dir() and (tmp_path / "b" / "c").is_dir()
@@ -365,7 +365,7 @@ def test_outputs_are_checked_before_a_command_runs(tmp_path):
     assert (tmp_path / "d").is_dir()
     kept = tmp_path / "kept.jsonl"
     kept.write_text("earlier results\n")
-    check("batch", "in.jsonl", str(kept))
+    check("batch", "in.jsonl", str(kept), names=("output",))  # as batch does once it has requests to run
     assert kept.read_text() == "earlier results\n"
     (tmp_path / "file").write_text("")
     refused = [
@@ -381,8 +381,60 @@ def test_outputs_are_checked_before_a_command_runs(tmp_path):
     ]
     for argv, needle in refused:
         with pytest.raises(UsageError, match=needle):
-            check(*argv)
+            check(*argv, names=("output",) if argv[0] == "batch" else None)
     assert not (tmp_path / "q.jsonl").exists() and not (tmp_path / "f.jsonl").exists()
+    # what is not a regular file is the command's: /dev/null twice, a link to nowhere (kept a link)
+    check("eval", "--out", "/dev/null", "--raw", "/dev/null")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "nowhere" / "x.jsonl")
+    check("eval", "--out", str(tmp_path / "link.jsonl"))
+    assert (tmp_path / "link.jsonl").is_symlink() and not (tmp_path / "nowhere").exists()
+    # fidelity --from-raw writes no --raw; batch tries its output only when it has requests to run
+    check("fidelity", "--from-raw", "r.jsonl", "--raw", str(tmp_path / "file" / "x.jsonl"),
+          "--out", str(tmp_path / "f.jsonl"))
+    check("batch", "in.jsonl", str(tmp_path / "file" / "o.jsonl"))
+
+
+def test_an_engine_jobs_refusal_is_read_from_its_result_file(tmp_path, monkeypatch):
+    """eval's and fidelity's engines run in a process of their own; one whose options vLLM or
+    sfi-vllm refused writes the one-line refusal in place of its result, which the command raises
+    as EngineOptionsRefused whatever the process's exit status (a crash while tearing down a
+    half-built engine included); any other failure keeps its log."""
+    import json
+    import subprocess
+
+    from sfi_vllm.startup_errors import EngineOptionsRefused
+    from sfi_vllm.tools import engine_job
+
+    def fake_run(written, status):
+        def run(cmd, **kw):
+            if written is not None:
+                from pathlib import Path
+
+                Path(cmd[-1]).write_text(json.dumps(written))
+            return subprocess.CompletedProcess(cmd, status)
+        return run
+
+    job = engine_job.EngineJob(model="/m", requests=[])
+    for status in (engine_job._REFUSED, -11):
+        monkeypatch.setattr(subprocess, "run", fake_run({"refused": "vLLM refused the engine's options"}, status))
+        with pytest.raises(EngineOptionsRefused, match="^vLLM refused the engine's options$"):
+            engine_job.run_engine_job(job)
+    for written in (None, {"outputs": []}):
+        monkeypatch.setattr(subprocess, "run", fake_run(written, engine_job._REFUSED))
+        with pytest.raises(RuntimeError, match="engine job failed"):
+            engine_job.run_engine_job(job)
+
+
+def test_batch_model_is_a_prepared_directory_or_a_hub_name(tmp_path):
+    from sfi_vllm.tools.cli import UsageError, _model_dir
+
+    assert _model_dir("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"  # vLLM's to fetch
+    for path in (str(tmp_path / "none"), "./none", "~/none-such-model"):
+        with pytest.raises(UsageError, match="no such directory"):
+            _model_dir(path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no config.json"):
+        _model_dir(str(tmp_path / "empty"))
 
 
 def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch, capsys):
@@ -403,7 +455,8 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch, capsy
     assert cli.main(["report", str(rows), str(tmp_path / "table")]) == 2
     assert "needs the Python package matplotlib, which is not installed: pip install 'sfi-vllm[quality]'" \
         in capsys.readouterr().err
-    assert cli.main(["eval", "--report", str(tmp_path / "q"), "--model", str(tmp_path / "no-model")]) == 2
+    assert cli.main(["eval", "--report", str(tmp_path / "q"), "--model", str(tmp_path / "no-model"),
+                     "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "sfi-vllm[quality]" in capsys.readouterr().err  # before the model is even looked at
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(RuntimeError, match=r"missing Python package\(s\) torch\. torch comes with vLLM"):
@@ -441,9 +494,24 @@ def test_an_sfi_config_file_the_yaml_parser_refuses_names_the_file(tmp_path, mon
             build_config({})
 
 
-def test_fidelity_refuses_a_context_too_short_for_its_documents(capsys):
+def test_fidelity_refuses_a_context_too_short_for_its_documents(tmp_path, capsys):
     from sfi_vllm.tools import cli
 
-    assert cli.main(["fidelity", "--contexts", "2048,100", "--tokens", "16", "--docs", "1"]) == 2
+    assert cli.main(["fidelity", "--contexts", "2048,100", "--tokens", "16", "--docs", "1",
+                     "--out", str(tmp_path / "f.jsonl")]) == 2
     assert "--contexts 100: context 100 leaves no room for a document with 16 generated tokens" \
         in capsys.readouterr().err
+
+
+def test_debug_flag_reaches_engine_processes_and_is_undone(monkeypatch):
+    """--debug sets SFI_VLLM_DEBUG for the command's engine processes, and only for the command."""
+    import os
+
+    from sfi_vllm.startup_errors import DEBUG_ENV
+    from sfi_vllm.tools import cli
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    seen = {}
+    monkeypatch.setattr(cli, "_cmd_config", lambda args: seen.setdefault("env", os.environ.get(DEBUG_ENV)) and 0)
+    cli.main(["config", "--debug"])
+    assert seen["env"] == "1" and DEBUG_ENV not in os.environ

