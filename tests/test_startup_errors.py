@@ -388,6 +388,11 @@ def test_outputs_are_checked_before_a_command_runs(tmp_path):
     (tmp_path / "link.jsonl").symlink_to(tmp_path / "nowhere" / "x.jsonl")
     check("eval", "--out", str(tmp_path / "link.jsonl"))
     assert (tmp_path / "link.jsonl").is_symlink() and not (tmp_path / "nowhere").exists()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(UsageError, match="--out: .* is a loop of symbolic links"):
+        check("eval", "--out", str(tmp_path / "loop"))
+    with pytest.raises(UsageError, match="cannot make the folder .* a loop of links"):
+        check("eval", "--out", str(tmp_path / "loop" / "q.jsonl"))
     # fidelity --from-raw writes no --raw; batch tries its output only when it has requests to run
     check("fidelity", "--from-raw", "r.jsonl", "--raw", str(tmp_path / "file" / "x.jsonl"),
           "--out", str(tmp_path / "f.jsonl"))
@@ -511,7 +516,38 @@ def test_debug_flag_reaches_engine_processes_and_is_undone(monkeypatch):
     from sfi_vllm.tools import cli
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    seen = {}
-    monkeypatch.setattr(cli, "_cmd_config", lambda args: seen.setdefault("env", os.environ.get(DEBUG_ENV)) and 0)
-    cli.main(["config", "--debug"])
-    assert seen["env"] == "1" and DEBUG_ENV not in os.environ
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_config", lambda args: seen.append(os.environ.get(DEBUG_ENV)) or 0)
+    assert cli.main(["config", "--debug"]) == 0
+    assert seen == ["1"] and DEBUG_ENV not in os.environ
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    assert cli.main(["config", "--debug"]) == 0
+    assert seen == ["1", "1"] and os.environ[DEBUG_ENV] == "0"
+
+
+def test_an_error_line_keeps_the_command_name_whatever_the_file_is_called(tmp_path, capsys, monkeypatch):
+    from sfi_vllm.tools import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["rescore", "sfi-vllm-raw.jsonl", "--out", "rows.jsonl"]) == 2
+    assert capsys.readouterr().err.startswith("sfi-vllm rescore: sfi-vllm-raw.jsonl: No such file")
+
+
+def test_a_finished_batch_tries_no_output(tmp_path, capsys, monkeypatch):
+    """With every id already in the output there is nothing to write: the output is not tried
+    (it may be read-only); with --retry-errors it is, before its error lines are taken out."""
+    from sfi_vllm.tools import cli
+
+    def refuse(args, names=None):
+        if names == ("output",):  # batch's own output (main's general check finds none for batch)
+            raise cli.UsageError("OUT.jsonl: cannot write")
+
+    monkeypatch.setattr(cli, "check_outputs", refuse)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    out.write_text('{"id": "a", "error": "E"}\n')
+    assert cli.main(["batch", str(inp), str(out)]) == 1  # a's error stays; nothing to run
+    assert "nothing to run" in capsys.readouterr().err
+    assert cli.main(["batch", str(inp), str(out), "--retry-errors"]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert out.read_text() == '{"id": "a", "error": "E"}\n'  # left as it was

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -277,6 +278,10 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     from sfi_vllm.tools.batch import BatchFileError, engine_env_for_this_process, left_to_run, run_batch
 
     flags = _batch_flags(args)  # bad flags stop here, before the files are read or the engine loads
+    if args.retry_errors:  # the output's error lines are taken out next: the run must be able to go on
+        check_outputs(args, ("output",))
+        if args.model is not None:
+            _model_dir(args.model)
     try:  # the files, before the engine loads
         total, todo, earlier = left_to_run(args.input, args.output, args.retry_errors)
     except BatchFileError as e:
@@ -665,8 +670,16 @@ def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None
                 parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
-                why = f"{str(blocking)!r} is a file" if blocking is not None else (e.strerror or str(e))
+                looping = next((p for p in (parent, *parent.parents) if p.is_symlink() and not p.exists()), None)
+                why = (f"{str(blocking)!r} is a file" if blocking is not None else
+                       f"{str(looping)!r} is a link to nowhere or a loop of links" if looping is not None else
+                       e.strerror or str(e))
                 raise UsageError(f"{flag}: cannot make the folder {str(parent)!r}: {why}") from None
+            try:
+                os.stat(path)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise UsageError(f"{flag}: {str(path)!r} is a loop of symbolic links") from None
             if path.is_dir():
                 raise UsageError(f"{flag}: {str(path)!r} is a folder; give a file")
             new = not os.path.lexists(path)
@@ -695,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     from sfi_vllm.startup_errors import DEBUG_ENV
 
     before = os.environ.get(DEBUG_ENV)
-    os.environ[DEBUG_ENV] = "1"  # engine jobs' own processes (eval, fidelity, demo --lossless) show theirs too
+    os.environ[DEBUG_ENV] = "1"  # eval's and fidelity's engine processes show their tracebacks too
     try:
         return _run_command(args, argv)
     finally:
@@ -751,7 +764,10 @@ def _run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         line = _user_error_line(e)
         if line is None:
             raise
-        print(line if line.startswith("sfi-vllm") else f"sfi-vllm {args.command}: {line}", file=sys.stderr)
+        from sfi_vllm.startup_errors import EngineOptionsRefused
+
+        named = isinstance(e, EngineOptionsRefused) and line.startswith("sfi-vllm ")  # sfi-vllm's own message
+        print(line if named else f"sfi-vllm {args.command}: {line}", file=sys.stderr)
         print("(traceback: --debug)", file=sys.stderr)
         return 2
 
