@@ -650,8 +650,8 @@ def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None
     names) can be written before it runs: a run of many minutes, or an engine's load, does not end
     on an output that cannot be written. Their folders are made; a regular file is opened for
     appending (one that was not there is removed again, one that was is left as it was), and two
-    outputs may not be one regular file. Other paths (``/dev/stdout``, a pipe, a link to nowhere)
-    are left to the command. A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval
+    outputs may not be one regular file. Other paths (a device such as ``/dev/null``, a pipe, a
+    link to nowhere) are left to the command; a loop of links is refused. A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval
     --report``) stands for PREFIX.md and PREFIX.png; ``output_unless`` maps an output to the flag
     under which the command does not write it (``fidelity --raw`` with ``--from-raw``). Any
     failure is a usage error."""
@@ -685,10 +685,7 @@ def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None
             new = not os.path.lexists(path)
             if not (new or path.is_file()):  # a device, a pipe, a dangling link: not tried
                 continue
-            try:
-                key = path.resolve()
-            except (OSError, RuntimeError) as e:  # a loop of links
-                raise UsageError(f"{flag}: {str(path)!r}: {e}") from None
+            key = path.resolve()  # loops of links were refused above
             if key in seen:
                 raise UsageError(f"{flag}: the same file as {seen[key]} ({value}); give each output its own file")
             seen[key] = flag
