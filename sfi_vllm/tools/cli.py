@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--time-limit", type=_positive_float, default=None, metavar="SECONDS",
                     help="with --chunk-samples: start no chunk that would end past this much generation "
                          "time; only fully run samples are scored")
-    ev.add_argument("--stream", default=None, help="file for the finished phases (default: a temporary file)")
+    ev.add_argument("--stream", default=None, help="file for the finished phases, emptied once the engine has loaded (default: a temporary file)")
     ev.add_argument("--ablations", type=_list_of(_policy_entry(POLICIES), "policies"), default=None,
                     help="policies (comma-separated) run only on samples of index < --ablation-samples")
     ev.add_argument("--ablation-samples", type=_positive_int, default=None)
