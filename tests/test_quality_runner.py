@@ -160,6 +160,44 @@ def test_load_stream_salvages_finished_lines(tmp_path):
     assert load_stream(tmp_path / "missing", 2)["skipped"] == 2
 
 
+@pytest.mark.parametrize("engine_loaded", [False, True])
+def test_eval_salvages_only_what_this_run_streamed(monkeypatch, tmp_path, engine_loaded):
+    """An engine that fails before it has loaded leaves --stream untouched: an earlier run's lines
+    there are not scored as this run's (and --out is left as it was). One that fails after it has
+    loaded and finished a request has that request scored."""
+    from sfi_vllm.tools import engine_job
+    from sfi_vllm.tools.model_prep import prepare_model
+    from sfi_vllm.tools.quality.runner import run_eval
+
+    stream, out = tmp_path / "stream.jsonl", tmp_path / "q.jsonl"
+    record = {"index": 0, "request_id": "0", "prompt_tokens": 9, "cached_tokens": 0, "text": "no answer",
+              "token_ids": [1, 2], "finish_reason": "length", "sfi_stats": {}}
+    stream.write_text(json.dumps({**record, "text": "an earlier run"}) + "\n")
+    out.write_text("an earlier run's rows\n")
+
+    def engine(job, env=None, quiet=True, timeout=None):
+        assert job.stream_out == str(stream)
+        if engine_loaded:  # what the engine process does once loaded, then after a request
+            open(job.stream_out, "w").close()
+            with open(job.stream_out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        raise RuntimeError("the engine process died")
+
+    monkeypatch.setattr(engine_job, "run_engine_job", engine)
+    kw = dict(policies=("dense",), retentions=(0.1,), contexts=(512,), tasks=("passkey",), n=1, out=str(out),
+              model=str(prepare_model(progress=False)), stream_out=str(stream), progress=False)
+    if not engine_loaded:
+        with pytest.raises(RuntimeError, match="failed before any sample was scored"):
+            run_eval(**kw)
+        assert out.read_text() == "an earlier run's rows\n"
+        assert "an earlier run" in stream.read_text()
+        return
+    with pytest.raises(RuntimeError, match="holds the 1 rows of the samples it finished"):
+        run_eval(**kw)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["policy"] == "dense" and row["n"] == 1 and row["score"] == 0.0
+
+
 def test_stratified_suite_mean_and_half_width():
     rows = [dict(policy="sfi", task="a", kind="retrieval", context=2048, retention=0.1, score=40.0, n=100, ci95=9.8),
             dict(policy="sfi", task="b", kind="aggregation", context=2048, retention=0.1, score=20.0, n=100, ci95=7.84)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -397,6 +398,53 @@ def test_outputs_are_checked_before_a_command_runs(tmp_path):
     check("fidelity", "--from-raw", "r.jsonl", "--raw", str(tmp_path / "file" / "x.jsonl"),
           "--out", str(tmp_path / "f.jsonl"))
     check("batch", "in.jsonl", str(tmp_path / "file" / "o.jsonl"))
+
+
+def test_an_output_is_not_an_input_nor_another_output_under_another_name(tmp_path):
+    """An output that is one of the command's input files, by any name (a symbolic or a hard
+    link), is refused before anything runs; so are two outputs that are one file by two names."""
+    from sfi_vllm.tools.cli import UsageError, build_parser, check_outputs
+
+    def check(*argv, names=None):
+        check_outputs(build_parser().parse_args(list(argv)), names)
+
+    suite, rows, raw = tmp_path / "suite.jsonl", tmp_path / "rows.jsonl", tmp_path / "raw.jsonl"
+    for f in (suite, rows, raw):
+        f.write_text("{}\n")
+    os.link(rows, tmp_path / "rows-hard.jsonl")
+    (tmp_path / "suite-link.jsonl").symlink_to(suite)
+    refused = [
+        (("eval", "--suite", f"{tmp_path / 'other.jsonl'},{suite}", "--stream", str(tmp_path / "suite-link.jsonl")),
+         "--stream: the same file as the input --suite"),
+        (("eval", "--out", str(rows), "--raw", str(tmp_path / "rows-hard.jsonl")), "--raw: the same file as --out"),
+        (("rescore", f"{raw},{rows}", "--out", str(tmp_path / "rows-hard.jsonl")), "--out: the same file as the input RAW"),
+        (("report", str(rows), str(tmp_path / "rows"), "--raw", str(tmp_path / "rows.md")), None),
+        (("fidelity", "--from-raw", str(raw), "--out", str(raw)), "--out: the same file as the input --from-raw"),
+    ]
+    for argv, needle in refused:
+        if needle is None:  # an input that is not there is the command's to report
+            check(*argv)
+            continue
+        with pytest.raises(UsageError, match=needle):
+            check(*argv)
+    for f in (suite, rows, raw):
+        assert f.read_text() == "{}\n"
+    (tmp_path / "rows.md").write_text("a table\n")
+    with pytest.raises(UsageError, match="PREFIX: the same file as the input --raw"):
+        check("report", str(rows), str(tmp_path / "rows"), "--raw", str(tmp_path / "rows.md"))
+
+
+def test_batch_refuses_its_input_as_its_output_by_any_name(tmp_path, capsys):
+    from sfi_vllm.tools import cli
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"custom_id": "a", "prompt": "hi"}\n')
+    (tmp_path / "out.jsonl").symlink_to(data)
+    os.link(data, tmp_path / "hard.jsonl")
+    for out in ("out.jsonl", "hard.jsonl"):
+        assert cli.main(["batch", str(data), str(tmp_path / out)]) == 2
+        assert "the output is the input file" in capsys.readouterr().err
+    assert data.read_text() == '{"custom_id": "a", "prompt": "hi"}\n'
 
 
 def test_an_engine_jobs_refusal_is_read_from_its_result_file(tmp_path, monkeypatch):

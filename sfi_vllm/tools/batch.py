@@ -219,7 +219,7 @@ def read_input_lines(in_path: str | Path, out_path: str | Path | None = None) ->
         out_path = Path(out_path)
         if out_path.is_dir():
             raise BatchFileError(f"{out_path}: the output is a directory")
-        if out_path.exists() and in_path.exists() and out_path.resolve() == in_path.resolve():
+        if out_path.exists() and in_path.exists() and os.path.samefile(out_path, in_path):  # links too
             raise BatchFileError(f"{out_path}: the output is the input file; give another")
     try:
         data = in_path.read_bytes()

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -556,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-open", type=_positive_int, default=None, help="with --flow (default: --max-num-seqs / 2)")
     ev.add_argument("--first-sample", type=_non_negative_int, default=0,
                     help="skip samples of lower index (extend an earlier run; merge with `sfi-vllm rescore`)")
-    ev.set_defaults(func=_cmd_eval, outputs=("out", "raw", "report", "stream"),
+    ev.set_defaults(func=_cmd_eval, outputs=("out", "raw", "report", "stream"), inputs={"suite": "--suite"},
                     output_prefixes=("report",))
 
     su = sub.add_parser("suite", help="generate the offline suite's samples into a file (for eval --suite)")
@@ -594,13 +595,14 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--from-raw", default=None, metavar="RAW",
                      help="no engine: summarize a --raw file (.jsonl or .jsonl.xz) of an earlier run into --out "
                           "(and --report, with the table of sfi minus each policy paired by document)")
-    fid.set_defaults(func=_cmd_fidelity, outputs=("out", "raw", "report"), output_unless={"raw": "from_raw"})
+    fid.set_defaults(func=_cmd_fidelity, outputs=("out", "raw", "report"), output_unless={"raw": "from_raw"},
+                     inputs={"from_raw": "--from-raw"})
 
     rs = sub.add_parser("rescore", help="eval's rows from one or more --raw files (e.g. runs over disjoint samples)")
     rs.add_argument("raw", help="eval --raw files, comma-separated")
     rs.add_argument("--out", required=True, help="rows as eval --out writes them")
     rs.add_argument("--merged-raw", default=None, help="also write the merged per-request records here")
-    rs.set_defaults(func=_cmd_rescore, outputs=("out", "merged_raw"))
+    rs.set_defaults(func=_cmd_rescore, outputs=("out", "merged_raw"), inputs={"raw": "RAW"})
 
     rep = sub.add_parser("report", help="markdown table + plot from eval's JSON lines")
     rep.add_argument("jsonl")
@@ -609,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--command", dest="results_command", default=None,
                      help="the command that produced the results")
     rep.add_argument("--raw", default=None, help="eval's --raw file: adds SFI-minus-policy paired differences")
-    rep.set_defaults(func=_cmd_report, outputs=("prefix",), output_prefixes=("prefix",))
+    rep.set_defaults(func=_cmd_report, outputs=("prefix",), output_prefixes=("prefix",),
+                     inputs={"jsonl": "JSONL", "raw": "--raw"})
 
     cfg = sub.add_parser("config", help="print the validated SFI configuration ($SFI_CONFIG + --sfi)")
     cfg.add_argument("--sfi", default=None, help="JSON, as in --additional-config's 'sfi' key")
@@ -647,6 +650,23 @@ def _output_flag(name: str) -> str:
     return {"prefix": "PREFIX", "output": "OUT.jsonl"}.get(name, "--" + name.replace("_", "-"))
 
 
+def _input_files(args: argparse.Namespace) -> dict[tuple[int, int], str]:
+    """(device, inode) of each regular file the command reads (``inputs``), with its flag."""
+    found: dict[tuple[int, int], str] = {}
+    for name, flag in getattr(args, "inputs", {}).items():
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        for part in {value, *value.split(",")}:
+            try:
+                st = os.stat(part)
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[(st.st_dev, st.st_ino)] = flag
+    return found
+
+
 def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None) -> None:
     """Make sure the command's output files (``names``, default ``outputs``: their argument
     names) can be written before it runs: a run of many minutes, or an engine's load, does not end
@@ -656,8 +676,10 @@ def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None
     link to nowhere) are left to the command; a loop of links is refused. A prefix (``output_prefixes``: ``report``'s PREFIX, ``eval
     --report``) stands for PREFIX.md and PREFIX.png; ``output_unless`` maps an output to the flag
     under which the command does not write it (``fidelity --raw`` with ``--from-raw``). Any
-    failure is a usage error."""
-    seen: dict[Path, str] = {}
+    failure is a usage error, and so is an output that is one of the command's input files
+    (``inputs``: argument name to flag; comma-separated lists are split)."""
+    seen: dict[object, str] = {}
+    read = _input_files(args)
     prefixes = getattr(args, "output_prefixes", ())
     unless = getattr(args, "output_unless", {})
     for name in getattr(args, "outputs", ()) if names is None else names:
@@ -687,7 +709,14 @@ def check_outputs(args: argparse.Namespace, names: tuple[str, ...] | None = None
             new = not os.path.lexists(path)
             if not (new or path.is_file()):  # a device, a pipe, a dangling link: not tried
                 continue
-            key = path.resolve()  # loops of links were refused above
+            if new:
+                key: object = path.resolve()  # loops of links were refused above
+            else:  # the file itself, whatever link or hard link names it
+                st = os.stat(path)
+                key = (st.st_dev, st.st_ino)
+                if key in read:
+                    raise UsageError(f"{flag}: the same file as the input {read[key]} ({value}); "
+                                     "give the output its own file")
             if key in seen:
                 raise UsageError(f"{flag}: the same file as {seen[key]} ({value}); give each output its own file")
             seen[key] = flag

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -81,8 +82,8 @@ class EngineJob:
     # group so far stays within it; skipped requests get no output (None in "outputs", and
     # "skipped" counts them). With ``stream_out``, each finished phase's results (with the SFI
     # statistics of its requests) are appended to that file as JSON lines {"index": i, ...}, so a
-    # run that is killed or crashes leaves its finished phases behind. The file is emptied once
-    # the engine has loaded.
+    # run that is killed or crashes leaves its finished phases behind. A regular file is emptied
+    # once the engine has loaded; a device or a pipe is only written to.
     phase_group: int = 1
     time_limit_s: float | None = None
     stream_out: str | None = None
@@ -134,7 +135,8 @@ def _run(job: EngineJob) -> dict[str, Any]:
         from sfi_vllm.controller import current_controller
 
         check_compact_sets(current_controller())
-    if job.stream_out:  # emptied only now: a run refused at start leaves an earlier file as it was
+    if job.stream_out and not _special_file(job.stream_out):
+        # emptied only now: a run refused at start leaves an earlier file as it was
         open(job.stream_out, "w").close()
     params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=False)
     t0 = time.perf_counter()
@@ -426,6 +428,15 @@ def _stream_phase(path: str, idx: list[int], outs: list, attention_backend: str 
             rec = _output_record(outs[i])
             st = snap.get(rec["request_id"])
             f.write(json.dumps({"index": i, **rec, "sfi_stats": st.to_dict() if st is not None else {}}) + "\n")
+
+
+def _special_file(path: str | Path) -> bool:
+    """True for a path that exists and is not a regular file (a device, a pipe): it is written
+    to, never emptied or read back."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def load_stream(path: str | Path, num_requests: int) -> dict[str, Any]:

@@ -13,7 +13,8 @@ vLLM can load without any GGUF / quantization support::
         model.safetensors        bf16, tied embeddings (no separate lm_head tensor)
         generation_config.json
         tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json
-        .sfi-ready               JSON marker: written last, makes later calls a no-op
+        .sfi-ready               JSON marker, written last: versions and every file's sha256,
+                                 which later calls check before they return the directory
 
 ``<cache>`` is ``$SFI_VLLM_CACHE`` if set, else ``~/.cache/sfi-vllm``.
 
@@ -107,9 +108,10 @@ def model_dir(cache_dir: str | Path | None = None) -> Path:
 def read_marker(path: str | Path) -> dict[str, Any] | None:
     """The parsed ``.sfi-ready`` marker of a prepared model dir, or None."""
     try:
-        return json.loads((Path(path) / MARKER).read_text())
+        marker = json.loads((Path(path) / MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return marker if isinstance(marker, dict) else None
 
 
 def is_prepared(path: str | Path) -> bool:
@@ -470,34 +472,49 @@ def _fix_permissions(out: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def damaged_files(path: str | Path) -> list[str]:
-    """The files of a prepared model dir whose sha256 differs from the one its marker recorded
-    (a truncated copy, a full disk, an edit). Hashing the weights takes about 0.2 s."""
-    path = Path(path)
+def _damage(path: Path) -> dict[str, str]:
+    """File name -> what is wrong with it, for the files whose checksum the marker records."""
     marker = read_marker(path) or {}
-    recorded = dict(marker.get("files_sha256") or {})
-    if marker.get("model_sha256"):
+    sums = marker.get("files_sha256")
+    recorded = dict(sums) if isinstance(sums, dict) else {}
+    if isinstance(marker.get("model_sha256"), str):
         recorded["model.safetensors"] = marker["model_sha256"]
-    damaged = []
+    damage = {}
     for name, digest in sorted(recorded.items()):
         try:
             if _sha256(path / name) != digest:
-                damaged.append(name)
-        except OSError:  # gone or unreadable
-            damaged.append(name)
-    return damaged
+                damage[name] = "differs from the checksum recorded when it was prepared"
+        except OSError as e:
+            damage[name] = "missing" if isinstance(e, FileNotFoundError) else f"unreadable ({e.strerror or e})"
+    return damage
 
 
-def _usable(target: Path, say: _Reporter) -> bool:
-    """True if ``target`` is prepared and intact; says why a prepared dir is prepared again."""
-    if not is_prepared(target):
-        return False
-    damaged = damaged_files(target)
-    if damaged:
-        say(f"{', '.join(damaged)} in {target} differ from the checksums recorded when it was prepared: "
-            "preparing it again")
-        return False
-    return True
+def damaged_files(path: str | Path) -> list[str]:
+    """The files of a prepared model dir that are missing, unreadable or differ from the sha256
+    its marker recorded (a truncated copy, a full disk, an edit). A marker written without
+    per-file checksums (``files_sha256``) has the weights' checksum only, so only the weights are
+    checked. Hashing the weights takes well under a second."""
+    return list(_damage(Path(path)))
+
+
+def _damage_line(target: Path, damage: dict[str, str]) -> str:
+    return f"{target} is damaged: " + "; ".join(f"{name} {why}" for name, why in damage.items())
+
+
+@contextlib.contextmanager
+def _preparing(parent: Path, damage: dict[str, str], target: Path) -> Iterator[None]:
+    """The lock of the cache folder, made if needed; a damaged copy that cannot be prepared
+    again there (a read-only cache) is a RuntimeError that names the damage."""
+    with contextlib.ExitStack() as stack:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_file_lock(parent / f".{MODEL_NAME}.lock"))
+        except OSError as e:
+            if not damage:
+                raise
+            raise RuntimeError(f"{_damage_line(target, damage)}, and it cannot be prepared again in "
+                               f"{parent}: {e.strerror or e}") from e
+        yield
 
 
 # --------------------------------------------------------------------------- public API
@@ -513,14 +530,18 @@ def prepare_model(cache_dir: str | Path | None = None, force: bool = False, prog
     """
     target = model_dir(cache_dir)
     say = _Reporter(progress)
-    if not force and is_prepared(target) and not damaged_files(target):
-        return target
+    damage: dict[str, str] = {}
+    if not force and is_prepared(target):
+        damage = _damage(target)
+        if not damage:
+            return target
+        # said whatever ``progress``: a download and a conversion follow
+        print(f"[sfi-vllm] {_damage_line(target, damage)}: preparing it again", file=sys.stderr, flush=True)
 
     parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(parent / f".{MODEL_NAME}.lock"):
+    with _preparing(parent, damage, target):
         # Another process may have finished (or repaired it) while we waited for the lock.
-        if not force and _usable(target, say):
+        if not force and is_prepared(target) and not _damage(target):
             return target
 
         versions = _check_deps()

@@ -35,6 +35,7 @@ import json
 import lzma
 import math
 import os
+import stat
 import statistics
 import tempfile
 import time
@@ -361,12 +362,12 @@ def engine_settings(model: str, engine_kwargs: dict | None, policies, retentions
 
 
 def _file_state(path: str) -> tuple[int, int] | None:
-    """(size, modification time in ns) of ``path``, or None if it does not exist."""
+    """(size, modification time in ns) of ``path`` if it is a regular file, else None."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns
+    return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
 
 def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=None, n=2, seed=0,
@@ -449,8 +450,10 @@ def run_eval(policies=POLICIES, retentions=(0.1, 0.2), contexts=(2048,), tasks=N
             raise
         except Exception as e:  # salvage the finished phases, then fail the run
             failure = e
-            # an untouched file is an earlier run's (this engine failed before it loaded)
-            res = load_stream(stream if _file_state(stream) != before else os.devnull, len(requests))
+            # only a regular file this run wrote: an untouched one is an earlier run's (this engine
+            # failed before it loaded), and a device or a pipe cannot be read back
+            now = _file_state(stream)
+            res = load_stream(stream if now is not None and now != before else os.devnull, len(requests))
             print(f"ENGINE FAILED after {time.time() - t0:.0f} s: {e}\nscoring the {len(requests) - res['skipped']} "
                   f"requests it finished", flush=True)
     cache = prefix_cache_summary(keys, res)
