@@ -31,6 +31,15 @@ the same launch. On the H200, 64-key tiles took 13-14% off dense rows at 128K co
 for dense rows of at least 64K keys in launches of at most 8 rows
 (benchmarks/results/wide-tiles-h200.txt).
 
+Balanced splits (``row_splits``, off by default): by default every row of a launch is cut into the
+same number of splits, so in a batch of mostly fast rows (a few thousand keys each) a dense row
+(tens of thousands: a slow row, a bridge row, a pool-full fallback) runs on as few programs as a
+fast row, each reading several times the keys, and the launch waits for them. With ``row_splits``
+each row takes its own count, at most the grid's ``num_splits``; the host gives each row a share of
+the launch's programs in proportion to the keys it reads (:func:`balanced_row_splits`), and the
+grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read nothing and
+write only an empty log-sum-exp, which the merge skips.
+
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
 sequence ``compact ++ window``, keeps an online softmax, and writes a partial output and its
@@ -83,16 +92,16 @@ def _window_tiles(q, m_i, l_i, acc, w_lo, hi, nc, ws, b, h, BT, KC, VC, stride_b
 
 
 @triton.jit
-def _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row, gmask,
-                qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, KEY_BLOCK: tl.constexpr, PAGE: tl.constexpr,
-                NUM_SPLITS: tl.constexpr):
-    """A keys-only slow row's scores over split ``s`` of ``[0, seq)``: the logits and key norms that
+def _key_scores(q, s, splits, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row,
+                gmask, qk_scale, offs_n, offs_d, BLOCK_N: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                PAGE: tl.constexpr):
+    """A keys-only slow row's scores over split ``s`` of ``splits`` of ``[0, seq)``: the logits and key norms that
     a dense row writes from its window tiles (the same dot products over the head dimension),
     without the values or the softmax. No state passes from tile to tile, so the tile
     (``KEY_BLOCK`` keys, a multiple of ``BLOCK_N``) sets only how many keys one program loads at
     once; the norms come from a second load of each ``BLOCK_N`` slice (an L1/L2 hit), as in the
     window tiles."""
-    per = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), KEY_BLOCK) * KEY_BLOCK
+    per = tl.cdiv(tl.cdiv(seq, splits), KEY_BLOCK) * KEY_BLOCK
     lo = s * per
     hi = tl.minimum(lo + per, seq)
     offs_k = tl.arange(0, KEY_BLOCK)
@@ -151,7 +160,7 @@ def _window_part(q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
 # values that change with the batch (layer, stride_btb) or that need no specialization (wide_from)
 @triton.jit(do_not_specialize=["layer", "stride_btb", "wide_from"])
 def _fast_decode_split(
-    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ACC, LSE, STAGE,
+    Q, CK, CV, KC, VC, BT, ROW_SLOT, ROW_MIN_WS, SEQ, NC, WS, SLOT_MAP, ROW_SPLITS, ACC, LSE, STAGE,
     SC_BASE, SC_STRIDE, SC_WIDTH, LOGITS, NORMS, layer, wide_from,
     stride_qb, stride_qh, stride_stb, stride_sth,
     stride_cks, stride_ckh, stride_ckn,
@@ -164,7 +173,7 @@ def _fast_decode_split(
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_STAGE: tl.constexpr,
-    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr, WIDE_N: tl.constexpr,
+    HAS_SCORES: tl.constexpr, KEY_BLOCK: tl.constexpr, WIDE_N: tl.constexpr, HAS_ROW_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -181,12 +190,17 @@ def _fast_decode_split(
     seq = tl.load(SEQ + b)
     ws = tl.minimum(ws, seq)
     total = nc + seq - ws
-    per = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if HAS_ROW_SPLITS:  # this row's own split count (module doc, "Balanced splits")
+        splits = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + b), 1), NUM_SPLITS)
+    else:
+        splits = NUM_SPLITS
+    active = s < splits  # an idle program (past its row's splits) reads nothing and writes only its LSE
+    per = tl.cdiv(tl.cdiv(total, splits), BLOCK_N) * BLOCK_N
     if WIDE_N > 0:  # a dense row of at least wide_from keys that writes no scores: WIDE_N-key tiles
         wide = (slot_raw < 0) & (seq >= wide_from)
         if HAS_SCORES:
             wide = wide & (tl.load(SC_BASE + b) < 0)
-        per = tl.where(wide, tl.cdiv(tl.cdiv(total, NUM_SPLITS), WIDE_N) * WIDE_N, per)
+        per = tl.where(wide, tl.cdiv(tl.cdiv(total, splits), WIDE_N) * WIDE_N, per)
     lo = s * per
     hi = tl.minimum(lo + per, total)
 
@@ -194,8 +208,9 @@ def _fast_decode_split(
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < G
+    amask = offs_g < tl.where(active, G, 0)  # gmask, none for an idle program
     q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None], other=0.0)
+                mask=amask[:, None], other=0.0)
     if HAS_STAGE:  # a copy of every row's query for the per-step refresh (split 0 writes it)
         if s == 0:
             tl.store(STAGE + b * stride_stb + (h * G + offs_g)[:, None] * stride_sth + offs_d[None, :], q,
@@ -257,9 +272,9 @@ def _fast_decode_split(
 
     if HAS_SCORES:
         if keys_scored:
-            _key_scores(q, s, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row, nm_row,
-                        gmask, qk_scale, offs_n, offs_d, BLOCK_N, KEY_BLOCK, PAGE, NUM_SPLITS)
-        if scored & (s == NUM_SPLITS - 1):  # the frame past the row's keys
+            _key_scores(q, s, splits, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row,
+                        nm_row, gmask, qk_scale, offs_n, offs_d, BLOCK_N, KEY_BLOCK, PAGE)
+        if scored & (s == splits - 1):  # the frame past the row's keys
             for start in range(seq, sc_w32, BLOCK_N):
                 n = start + offs_n
                 tmask = n < sc_w
@@ -272,7 +287,7 @@ def _fast_decode_split(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     heads = h * G + offs_g
     tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
-             mask=gmask[:, None])
+             mask=amask[:, None])
     tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
 
 
@@ -290,8 +305,9 @@ def _merge_splits(ACC, LSE, OUT, stride_ab, stride_ah, stride_as, stride_lb, str
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
     w = tl.where(smask, w, 0.0)
+    # a split without keys (LSE -inf) has weight 0 and may have written no partial output
     acc = tl.load(ACC + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
-                  mask=smask[:, None], other=0.0)
+                  mask=smask[:, None] & (lse > float("-inf"))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
@@ -343,9 +359,36 @@ def uniform_num_splits(rows: int, kv_heads: int, target_programs: int | None = N
     return int(max(1, min(64, n)))
 
 
+# Programs, idle ones included, that a balanced launch's grid may hold (balanced_num_splits).
+BALANCED_MAX_PROGRAMS = 2048
+
+
+def balanced_num_splits(rows: int, kv_heads: int) -> int:
+    """The grid's split count of a uniform launch with balanced splits: room for one row to take
+    most of the launch's programs, within :data:`BALANCED_MAX_PROGRAMS` programs in all, never fewer
+    than :func:`uniform_num_splits` nor more than 64. A function of the batch shape only."""
+    room = BALANCED_MAX_PROGRAMS // max(1, rows * kv_heads)
+    return int(max(uniform_num_splits(rows, kv_heads), min(64, room)))
+
+
+def balanced_row_splits(work: list[int], kv_heads: int, target_programs: int | None = None,
+                        block_n: int = 32) -> list[int]:
+    """Each row's split count for a balanced launch: the launch's ``target_programs`` (default
+    :data:`UNIFORM_TARGET_PROGRAMS`) shared among the rows in proportion to ``work`` (the keys each
+    row reads), so that every program reads about as many keys, and never fewer than ``block_n``
+    (one tile); at least 1 and at most 64 per row (the kernel also caps it at the grid's count). Rows
+    of equal work get about :func:`uniform_num_splits` each."""
+    if target_programs is None:
+        target_programs = UNIFORM_TARGET_PROGRAMS
+    total = sum(max(0, w) for w in work)
+    per = max(block_n, -(-total * kv_heads // max(1, target_programs)))
+    return [int(min(64, max(1, -(-max(0, w) // per)))) for w in work]
+
+
 def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_size: int) -> int:
-    """float32 elements of the partial outputs + LSEs for any batch of up to ``max_rows`` rows."""
-    return max(b * q_heads * uniform_num_splits(b, kv_heads) * (head_size + 1)
+    """float32 elements of the partial outputs + LSEs for any batch of up to ``max_rows`` rows,
+    with or without balanced splits."""
+    return max(b * q_heads * max(uniform_num_splits(b, kv_heads), balanced_num_splits(b, kv_heads)) * (head_size + 1)
                for b in range(1, max_rows + 1))
 
 
@@ -367,6 +410,7 @@ def fast_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_map: torch.Tensor | None = None,  # (slots,) int32: slot -> physical set; None: identity
     stage: torch.Tensor | None = None,  # (>= B, Hq, D): receives a copy of q (query staging)
+    row_splits: torch.Tensor | None = None,  # (>= B,) int32: each row's split count (balanced splits)
     scores: ScoreFrames | None = None,  # fused slow-step scores of the scored dense rows
     block_n: int = 32,
     key_block_n: int | None = None,
@@ -376,7 +420,9 @@ def fast_decode_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Fixed-shape for CUDA graphs: pass ``num_splits`` and ``workspace`` (from
-    :func:`make_workspace`) and every launch reads only device tensors. With ``slot_map`` a
+    :func:`make_workspace`) and every launch reads only device tensors. With ``row_splits`` row
+    ``b`` is cut into ``min(max(row_splits[b], 1), num_splits)`` splits instead of ``num_splits``
+    (module doc, "Balanced splits"). With ``slot_map`` a
     row's slot ``s`` reads compact set ``slot_map[s]`` (and its length / window start). With
     ``stage`` the kernel also copies ``q`` there (the per-step refresh of slow rows that run inside
     a full CUDA graph reads it). With ``scores`` the scored dense rows also write their slow-step
@@ -407,7 +453,8 @@ def fast_decode_attention(
     _fast_decode_split[(B, Hkv, num_splits)](
         q, compact_k, compact_v, key_cache, value_cache, block_table, row_slot,
         row_min_window_start, seq_lens, compact_len, window_start,
-        slot_map if slot_map is not None else row_slot, acc, lse, stage if stage is not None else q,
+        slot_map if slot_map is not None else row_slot, row_splits if row_splits is not None else row_slot,
+        acc, lse, stage if stage is not None else q,
         *sc, wide_from,
         q.stride(0), q.stride(1), *((stage.stride(0), stage.stride(1)) if stage is not None else (0, 0)),
         compact_k.stride(0), compact_k.stride(1), compact_k.stride(2),
@@ -421,7 +468,7 @@ def fast_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         PAGE=key_cache.shape[1], NUM_SPLITS=num_splits, HAS_MAP=slot_map is not None,
         HAS_STAGE=stage is not None, HAS_SCORES=scores is not None, KEY_BLOCK=key_block,
-        WIDE_N=wide_block_n, num_warps=num_warps, num_stages=num_stages,
+        WIDE_N=wide_block_n, HAS_ROW_SPLITS=row_splits is not None, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits[(B, Hq)](
         acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),

@@ -104,6 +104,13 @@ class ExperimentalConfig(_StrictNumbers):
     def _promoted_fields(cls, data: Any) -> Any:
         return _refuse_moved(data, PROMOTED_FIELDS, "sfi.experimental.", "sfi.")
 
+    @model_validator(mode="after")
+    def _one_split_rule(self) -> "ExperimentalConfig":
+        if self.balanced_splits and self.one_wave_splits:
+            raise ValueError("sfi.experimental: balanced_splits and one_wave_splits are two rules for the "
+                             "same split counts; set one of them")
+        return self
+
     selector_top_k: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description=(
@@ -176,6 +183,16 @@ class ExperimentalConfig(_StrictNumbers):
             "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
             "second wave. In the kernel alone on an H100 it was slower than the default at 16 x 16K and 8 x "
             "32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md)"
+        ),
+    )
+    balanced_splits: bool = Field(
+        False,
+        description=(
+            "GPU kernel path, uniform decode launches (one token per row): each row of the fast-step "
+            "kernel takes a share of the launch's programs in proportion to the keys it reads, instead "
+            "of every row the same split count, so that a dense row among fast rows (a slow row, a "
+            "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs "
+            "(docs/settings.md). Not with one_wave_splits"
         ),
     )
     synthetic_acceptance: bool = Field(

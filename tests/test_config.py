@@ -49,6 +49,8 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": "max"}, "sfi.fused_scores_tokens"),
         ({"experimental": {"selector_top_k": "cub"}}, "sfi.experimental.selector_top_k"),
         ({"selector_top_k": "triton"}, "sfi.selector_top_k moved to sfi.experimental.selector_top_k"),
+        ({"experimental": {"balanced_splits": True, "one_wave_splits": True}},
+         "balanced_splits and one_wave_splits are two rules"),
         ({"boundary_token_ids": [13, -1]}, "token ids are 0 or more; got [13, -1]"),
         # a number too large for an integer is not called a string (pydantic's own wording)
         ({"selected_tokens": 1e30}, "sfi.selected_tokens: Input should be an integer (allowed: 0 <= value"),

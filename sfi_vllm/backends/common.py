@@ -88,6 +88,8 @@ class FastRows:
     padding: torch.Tensor | None = None
     # fused slow-step scores (uniform steps): per row frame base, layer stride and width (int32)
     scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # balanced splits (uniform steps, ``experimental.balanced_splits``): each row's split count
+    splits: torch.Tensor | None = None
 
 
 def subset_common_metadata(cam: Any, rows: list[int], seq_lens_host: list[int] | None = None) -> tuple[Any, torch.Tensor]:
@@ -231,25 +233,76 @@ def fast_entries(step: SFIStep, rows: list[int]) -> tuple[list[int], list[int], 
     return entry_rows, tokens, contexts
 
 
+def uniform_table_rows(fused: bool, balanced: bool) -> int:
+    """Rows of the persistent tables of :func:`uniform_tables`: slot and earliest window start,
+    then the fused scores' frame base, layer stride and width (``fused``), then each row's split
+    count (``balanced``)."""
+    return 2 + 3 * fused + balanced
+
+
+def row_keys(plan: StepPlan, scored: list[bool] | None = None) -> list[int]:
+    """The keys each row of a uniform step reads in the fast-step kernel, from the host's plan:
+    a row with a compact set its sinks, selected tokens and window at this step's geometry (the
+    window may start a little earlier, where its set's slow step put it), plus half its context when
+    ``scored`` (a keys-only slow row's score pass reads the keys without the values); any other row
+    its whole context."""
+    assert plan.context is not None and plan.geometry is not None
+    out = []
+    for i, ctx in enumerate(plan.context[:plan.num_reqs]):
+        if plan.attends_set(i) and plan.configs[i].policy != "quest":
+            g = plan.geometry[i]
+            keys = g.sinks + g.selected + ctx - g.window_start
+            out.append(keys + ctx // 2 if scored is not None and scored[i] else keys)
+        else:
+            out.append(ctx)
+    return out
+
+
+def balanced_split_table(plan: StepPlan | None, rows: int, width: int, kv_heads: int,
+                         scored: list[bool] | None = None) -> torch.Tensor:
+    """``(width,)`` int32 host table of each row's split count (``experimental.balanced_splits``,
+    :func:`sfi_vllm.kernels.fast_decode.balanced_row_splits` over :func:`row_keys`); rows past
+    ``rows`` (CUDA-graph padding) take 1. Without a plan's contexts every row counts the same."""
+    from sfi_vllm.kernels.fast_decode import balanced_row_splits
+
+    work = row_keys(plan, scored) if plan is not None and plan.context is not None else [1] * rows
+    work = (work + [0] * rows)[:rows]
+    out = torch.ones(width, dtype=torch.int32)
+    out[:rows] = torch.tensor(balanced_row_splits(work, kv_heads), dtype=torch.int32)
+    return out
+
+
 def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
-                   controller: SFIController) -> FastRows:
+                   controller: SFIController, kv_heads: int = 0) -> FastRows:
     """Tables of a uniform step (every row one decode token) for all ``cam.num_reqs`` rows,
-    written into ``persistent (2, max_rows)`` so that a captured CUDA graph reads this step's;
-    ``persistent (5, max_rows)`` also holds the fused scores' frames (``FastRows.scores``)."""
+    written into ``persistent`` (:func:`uniform_table_rows` rows by ``max_rows``) so that a
+    captured CUDA graph reads this step's: with fused scores their frames (``FastRows.scores``),
+    with ``experimental.balanced_splits`` each row's split count for ``kv_heads`` KV heads
+    (``FastRows.splits``, written at every step, so that a graph captured with them reads them)."""
     from sfi_vllm.backends.step_refresh import score_row_tables
 
     n = cam.num_reqs
     copy_to_device(persistent[:2, :n], fast_row_tables(plan, list(range(n))))
-    fused = persistent.shape[0] >= 5
+    balanced = controller.cfg.experimental.balanced_splits
+    fused = persistent.shape[0] == uniform_table_rows(True, balanced)
+    assert persistent.shape[0] == uniform_table_rows(fused, balanced), "persistent tables of another layout"
+    scored = None
     if fused:
         # every row, the CUDA-graph padding past n included: a padding row keeping an earlier
         # step's frame base would write over this step's frames
-        copy_to_device(persistent[2:5], score_row_tables(plan, persistent.shape[1]))
+        frames = score_row_tables(plan, persistent.shape[1])
+        copy_to_device(persistent[2:5], frames)
+        scored = (frames[0, :n] >= 0).tolist()
+    splits = None
+    if balanced:
+        assert kv_heads > 0, "balanced splits need the layers' KV heads"
+        splits = persistent[persistent.shape[0] - 1]
+        copy_to_device(splits, balanced_split_table(plan, n, persistent.shape[1], kv_heads, scored))
     if plan is not None and controller.buffers:
         record_fast_rows(controller, plan, plan.rows(StepMode.FAST), controller.buffers[0])
     return FastRows(rows=n, slot=persistent[0], min_window_start=persistent[1],
                     seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
-                    scores=(persistent[2], persistent[3], persistent[4]) if fused else None)
+                    scores=(persistent[2], persistent[3], persistent[4]) if fused else None, splits=splits)
 
 
 def attach_fast_tables(step: SFIStep, cam: Any, controller: SFIController) -> None:

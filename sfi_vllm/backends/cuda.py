@@ -81,6 +81,7 @@ from sfi_vllm.backends.common import (
     SFILayer,
     SFIStep,
     attach_fast_tables,
+    uniform_table_rows,
     uniform_tables,
 )
 from sfi_vllm.backends.cuda_executor import executor_for
@@ -147,11 +148,13 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         self._uniform_ok = self.controller.cfg.kernels != "torch"
         rows = max_uniform_rows(vllm_config)
         # persistent (captured) row tables: compact-buffer slot and earliest window start per row,
-        # and with fused scores (allocated by the layers, which are built before this) their frame
-        # base, layer stride and width
+        # with fused scores (allocated by the layers, which are built before this) their frame
+        # base, layer stride and width, and with balanced splits each row's split count
         executor = self.controller.executor
-        tables = 5 if executor is not None and executor.fused_scores is not None else 2
+        tables = uniform_table_rows(executor is not None and executor.fused_scores is not None,
+                                    self.controller.cfg.experimental.balanced_splits)
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
+        self._kv_heads = int(kv_cache_spec.num_kv_heads)
         # sfi.drafter_graphs: the drafter's lengths at a fixed address (vLLM makes them anew
         # at every step's first drafter pass)
         cfg = self.controller.cfg
@@ -166,7 +169,7 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         n = cam.num_reqs
         if n > self._row_tables.shape[1]:
             return False  # larger than any CUDA-graph batch: the eager path serves it
-        tables = uniform_tables(plan, cam, self._row_tables, self.controller)
+        tables = uniform_tables(plan, cam, self._row_tables, self.controller, self._kv_heads)
         if graph_rows is not None and self._graph_seq_lens is not None:
             tables = self._graph_tables(tables, cam, graph_rows)
         meta.sfi_uniform = tables
@@ -205,7 +208,8 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         self.controller.draft_graph = (rows, (self._graph_seq_lens.data_ptr(), block_table.data_ptr(),
                                               self._row_tables.data_ptr()))
         return FastRows(rows=rows, slot=tables.slot, min_window_start=tables.min_window_start,
-                        seq_lens=self._graph_seq_lens, block_table=block_table, scores=tables.scores)
+                        seq_lens=self._graph_seq_lens, block_table=block_table, scores=tables.scores,
+                        splits=tables.splits)
 
     def _build_fast_tables(self, step: SFIStep, cam) -> None:
         if self._uniform_ok:

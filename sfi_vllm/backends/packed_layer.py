@@ -263,12 +263,16 @@ class PackedSFILayer(SFILayer):
         """Every row one decode token (fast rows read their compact set, the others attend
         densely): one launch with fixed shapes that reads only device tables, so it can be
         captured in a full CUDA graph and replayed with the tables of later steps."""
-        from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, uniform_num_splits
+        from sfi_vllm.kernels.fast_decode import (ScoreFrames, balanced_num_splits, fast_decode_attention,
+                                                  uniform_num_splits)
 
         buf = self.packed
         assert buf is not None
         b = min(tables.rows, query.shape[0])
-        splits = uniform_num_splits(b, self.num_kv_heads, one_wave=self.one_wave_splits)
+        if tables.splits is not None:  # balanced: each row its own count within a larger grid
+            splits = balanced_num_splits(b, self.num_kv_heads)
+        else:
+            splits = uniform_num_splits(b, self.num_kv_heads, one_wave=self.one_wave_splits)
         wide = self.wide_tile(b)
         need = b * self.num_heads * splits * (self.head_size + 1)
         if need > workspace.numel():
@@ -289,4 +293,5 @@ class PackedSFILayer(SFILayer):
             query[:b], buf.keys, buf.values, key_cache, value_cache, tables.block_table,
             tables.slot, tables.min_window_start, tables.seq_lens, buf.length_dev, buf.window_start_dev,
             self.scale, splits, out=output[:b], workspace=(acc, lse), slot_map=buf.slot_map_dev,
-            stage=self.stage, scores=scores, wide_block_n=wide, wide_from=self.wide_dense_from)
+            stage=self.stage, scores=scores, wide_block_n=wide, wide_from=self.wide_dense_from,
+            row_splits=tables.splits)

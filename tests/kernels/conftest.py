@@ -78,6 +78,8 @@ def _triton_interpreter(request, monkeypatch):
         from sfi_vllm.kernels import fast_decode
 
         monkeypatch.setattr(fast_decode, "UNIFORM_TARGET_PROGRAMS", INTERPRETER_TARGET_PROGRAMS)
+        # ... and balanced launches' grids at most 4x that (idle programs run one by one here too)
+        monkeypatch.setattr(fast_decode, "BALANCED_MAX_PROGRAMS", 4 * INTERPRETER_TARGET_PROGRAMS)
         # slow-step frames in steps of 512 tokens instead of 2048: the interpreter cases' contexts
         # are a few hundred tokens, and every position of a frame is scored
         from sfi_vllm.backends import selection

@@ -12,10 +12,12 @@ from sfi_vllm.attention_ref import fast_step_attention
 def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
                       seq_lens=(3000, 900, 5000, 257, 700, 0), compact=(300, 70, 1000, 4, None, None),
                       window=(256, 300, 270, 200, None, None), min_ws=(0, 0, 4900, 0, 0, 0),
-                      splits=(1, 3, 8), seed=0, wide=None):
+                      splits=(1, 3, 8), seed=0, wide=None, row_splits=None):
     """Rows with a compact set, a row whose window slides past its refresh point (``min_ws``), a
     dense row (no slot: ``compact`` None) and an empty padding row (``seq_len`` 0). ``wide``:
-    ``(wide_block_n, wide_from)`` of the launch."""
+    ``(wide_block_n, wide_from)`` of the launch. ``row_splits``: each row's own split count
+    (balanced splits), the workspace then filled with NaN first: an idle program's partial output
+    must not reach the merge."""
     from sfi_vllm.kernels.fast_decode import fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
@@ -54,9 +56,14 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
     for ns in splits:
         out = torch.full_like(q, float("nan"))
         stage = torch.full((B + 2, hq, d), float("nan"), dtype=dtype, device=device) if ns == splits[-1] else None
+        work = make_workspace(B, hq, d, ns, device)
+        per_row = None
+        if row_splits is not None:
+            work[0].fill_(float("nan"))
+            per_row = torch.tensor(row_splits, dtype=torch.int32, device=device)
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, row_min_ws, sl,
                               nc_by_slot.to(device), ws_by_slot.to(device), scale, ns, out=out,
-                              workspace=make_workspace(B, hq, d, ns, device), stage=stage,
+                              workspace=work, stage=stage, row_splits=per_row,
                               **(dict(wide_block_n=wide[0], wide_from=wide[1]) if wide else {}))
         assert not torch.isnan(out).any(), f"unwritten output (splits={ns})"
         if stage is not None:  # query staging: every row's q, nothing past the batch
@@ -79,8 +86,18 @@ CASES = [
     case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **{**CPU_ROWS, "seq_lens": (300, 90, 130, 70, 200, 0),
                                                           "splits": (1, 2, 3)}, wide=(64, 40)), 1e-5,
          id=shape_id(torch.float32, 4, 2, 32) + "-wide"),
+    # balanced splits: per-row counts of 1, of more than the grid's (capped), 0 (taken as 1), and
+    # the dense row on most of the grid; with wide tiles for the dense row too
+    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **{**CPU_ROWS, "splits": (5,)},
+                                    row_splits=(2, 1, 9, 0, 5, 3)), 1e-5,
+         id=shape_id(torch.float32, 4, 2, 32) + "-row-splits"),
+    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, **{**CPU_ROWS, "seq_lens": (300, 90, 130, 70, 200, 0),
+                                                          "splits": (4,)}, wide=(64, 40), row_splits=(1, 1, 2, 1, 4, 1)),
+         1e-5, id=shape_id(torch.float32, 4, 2, 32) + "-row-splits-wide"),
     *(case("cuda", dtype, dict(hq=hq, hkv=hkv, d=d), 1e-2, id=shape_id(dtype, hq, hkv, d))
       for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES),
+    case("cuda", torch.bfloat16, dict(hq=32, hkv=8, d=128, splits=(16,), row_splits=(3, 1, 5, 1, 16, 1)), 1e-2,
+         id=shape_id(torch.bfloat16, 32, 8, 128) + "-row-splits"),
     # the dense row (700 keys in the GPU rows) with 64-key tiles
     case("cuda", torch.bfloat16, dict(hq=32, hkv=8, d=128, wide=(64, 512)), 1e-2,
          id=shape_id(torch.bfloat16, 32, 8, 128) + "-wide"),

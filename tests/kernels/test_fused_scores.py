@@ -10,14 +10,16 @@ from builders import GPU_DTYPES, GPU_SHAPES, block_tables, case, paged_cache, sh
 
 
 def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, page=16,
-                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5, key_block_n=None):
+                       seq_lens=(3000, 900, 2100, 700, 0), splits=(1, 3), seed=5, key_block_n=None,
+                       row_splits=None):
     """The fast-step kernel's fused slow-step scores: rows 1 and 2 are dense and scored (one
     group of two rows, frame width past both contexts, written as layer 1 of 2), row 0 has a
     compact set and is scored too (a keys-only slow row: a group of its own after the first),
     row 3 is dense and not scored, row 4 is padding. Their logits and key norms against the
     gathered keys; nothing written outside the three frames; the attention output the same as
     without scores (row 0's through its compact set and window). ``key_block_n``: the keys-only
-    row's score tile (None: the kernel's default)."""
+    row's score tile (None: the kernel's default). ``row_splits``: each row's own split count
+    (balanced splits)."""
     from sfi_vllm.kernels.fast_decode import ScoreFrames, fast_decode_attention, make_workspace
 
     g = torch.Generator().manual_seed(seed)
@@ -41,17 +43,19 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     stride = torch.tensor([width0] + [rows * width] * (B - 1), dtype=torch.int32, device=device)
     wid = torch.tensor([width0] + [width] * (B - 1), dtype=torch.int32, device=device)
     tokens = base0 + layers * width0 + 5
+    per_row = None if row_splits is None else torch.tensor(row_splits, dtype=torch.int32, device=device)
     worst = 0.0
     for ns in splits:
         plain = torch.full_like(q, float("nan"))
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=plain,
-                              workspace=make_workspace(B, hq, d, ns, device))
+                              workspace=make_workspace(B, hq, d, ns, device), row_splits=per_row)
         logits = torch.full((tokens * hq,), float("nan"), device=device)
         norms = torch.full((tokens * hkv,), float("nan"), device=device)
         out = torch.full_like(q, float("nan"))
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, zeros, sl, nc, ws, scale, ns, out=out,
                               workspace=make_workspace(B, hq, d, ns, device),
-                              scores=ScoreFrames(base, stride, wid, logits, norms, 1), key_block_n=key_block_n)
+                              scores=ScoreFrames(base, stride, wid, logits, norms, 1), key_block_n=key_block_n,
+                              row_splits=per_row)
         assert torch.equal(out, plain), "the scores changed the attention output"
         lg = logits[(lead + rows * width) * hq:(lead + 2 * rows * width) * hq].view(rows, hkv, G, width)
         nm = norms[(lead + rows * width) * hkv:(lead + 2 * rows * width) * hkv].view(rows, hkv, width)
@@ -76,8 +80,14 @@ def check_fused_scores(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 CASES = [
     *(case("cpu", dtype, dict(hq=4, hkv=2, d=32, seq_lens=(200, 90, 130, 70, 0)), tol, id=shape_id(dtype, 4, 2, 32))
       for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2))),
+    # balanced splits: the keys-only row 0 on 3 of the grid's 4 splits (its frame's tail written by
+    # its last), dense row 2 on all 4, row 1 on 1
+    case("cpu", torch.float32, dict(hq=4, hkv=2, d=32, seq_lens=(200, 90, 130, 70, 0), splits=(4,),
+                                    row_splits=(3, 1, 4, 2, 1)), 1e-4, id=shape_id(torch.float32, 4, 2, 32) + "-row-splits"),
     *(case("cuda", dtype, dict(hq=hq, hkv=hkv, d=d), 5e-2, id=shape_id(dtype, hq, hkv, d))
       for dtype in GPU_DTYPES for hq, hkv, d in GPU_SHAPES),
+    case("cuda", torch.bfloat16, dict(hq=32, hkv=8, d=128, splits=(8,), row_splits=(5, 1, 8, 2, 1)), 5e-2,
+         id=shape_id(torch.bfloat16, 32, 8, 128) + "-row-splits"),
 ]
 
 

@@ -124,6 +124,22 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     assert ((wide_out[: n - 1] - out[: n - 1]).norm() / out[: n - 1].norm()).item() < 1e-3, "wide: fast rows"
     assert ((wide_out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "wide: dense row"
     assert torch.all(wide_out[n] == 0), "wide: padding row"
+    # sfi.experimental.balanced_splits: each row its share of a larger grid, the dense row most of it
+    from sfi_vllm.backends.common import row_keys
+
+    fast.wide_dense_from = 0
+    work = row_keys(step.plan) + [0]
+    assert work[n - 1] == ctx[-1] and max(work[: n - 1]) < ctx[-1], work
+    per_row = fd.balanced_row_splits(work, hkv)
+    assert per_row[n - 1] == max(per_row) and per_row[n] == 1, per_row
+    bal = FastRows(rows=n + 1, slot=uni.slot, min_window_start=uni.min_window_start, seq_lens=uni.seq_lens,
+                   block_table=uni.block_table, splits=torch.tensor(per_row, dtype=torch.int32, device=device))
+    ws.fill_(float("nan"))  # an idle program's partial output must not reach the merge
+    bal_out = torch.full_like(qu, float("nan"))
+    fast.fast_uniform(bal, paged, qu, bal_out, ws)
+    bal_out = bal_out.float().cpu()
+    assert ((bal_out[: n] - out[: n]).norm() / out[: n].norm()).item() < 1e-3, "balanced: rows"
+    assert torch.all(bal_out[n] == 0), "balanced: padding row"
     return err
 
 
@@ -188,7 +204,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                      seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
-                     top_k="torch", keys=False, keys_in_kernel=False, chunk_bytes=None):
+                     top_k="torch", keys=False, keys_in_kernel=False, chunk_bytes=None, balanced=False):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
@@ -200,9 +216,9 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the second step on the slow rows attend through the sets they have (against the reference
     layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
     (``keys_in_kernel``: by the fast-step kernel's keys-only pass). ``chunk_bytes``: the refresh's
-    logits budget (1: one layer per Selector call)."""
+    logits budget (1: one layer per Selector call). ``balanced``: ``experimental.balanced_splits``."""
     from sfi_vllm.attention_ref import dense_attention
-    from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_tables
+    from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_table_rows, uniform_tables
     from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers, StepRefresh
     from sfi_vllm.compact import RowGeometry
@@ -221,7 +237,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens,
                                               "experimental": {"selector_top_k": top_k, "keys_only_scores":
-                                                               "fast_kernel" if keys_in_kernel else "refresh"}}],
+                                                               "fast_kernel" if keys_in_kernel else "refresh",
+                                                               "balanced_splits": balanced}}],
                                             hq, hkv, d, dtype, device, layers)
     ctl.executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else
                                                                  {"logits_bytes": chunk_bytes}))
@@ -235,8 +252,10 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     for layer, p in zip(stacks[1], pageds):
         layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
         layer.kv = p.nhd_views()
-    persistent = torch.zeros(5 if fused else 2, n, dtype=torch.int32, device=device)
+    persistent = torch.zeros(uniform_table_rows(fused, balanced), n, dtype=torch.int32, device=device)
     ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    if balanced:
+        ws.fill_(float("nan"))  # an idle program's partial output must not reach the merge
     for it in range(steps):
         on_set = keys and it > 0  # keys-only slow rows, once they have sets
         for p in pageds:
@@ -267,7 +286,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
             assert plan.score_layout is not None and ctl.executor.fused_score_misses == 0
             ctl.executor.fused_scores.logits.fill_(float("nan"))  # what the refresh reads must be this step's
             ctl.executor.fused_scores.norms.fill_(float("nan"))
-        tables = uniform_tables(plan, cam, persistent, ctl)
+        tables = uniform_tables(plan, cam, persistent, ctl, hkv)
+        assert (tables.splits is not None) == balanced
         for li, layer in enumerate(stacks[1]):
             out = torch.full_like(qs[li], float("nan"))
             layer.fast_uniform(tables, pageds[li], qs[li], out, ws)
@@ -362,12 +382,17 @@ def test_step_refresh(device, dtype, kw):
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
                                     keys_in_kernel=True),
          id="fused-keys_in_kernel-" + shape_id(torch.float32, **CPU_SHAPE)),
+    case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
+                                    keys_in_kernel=True, balanced=True),
+         id="fused-keys_in_kernel-balanced-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, **over), id=name + shape_id(dtype, **shape),
            selection=dtype == torch.bfloat16 and "top_k" not in over)
       for dtype, shape in GPU
       for name, over in (("unfused-torch_top_k-", {}), ("fused-torch_top_k-", dict(fused=True)),
                          ("unfused-triton_top_k-", dict(top_k="triton")), ("fused-keys-", dict(fused=True, keys=True)),
                          ("fused-keys_in_kernel-", dict(fused=True, keys=True, keys_in_kernel=True)),
+                         ("fused-keys_in_kernel-balanced-", dict(fused=True, keys=True, keys_in_kernel=True,
+                                                                 balanced=True)),
                          ("unfused-keys-", dict(keys=True)))),
 ])
 def test_graph_slow(device, dtype, kw):
@@ -531,6 +556,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     # dispatcher for the padding, and the tables it makes then serve the graph's decision
     padded = n + 1
     builder._row_tables = torch.zeros(5, padded, dtype=torch.int32, device=device)
+    builder._kv_heads = hkv
     builder._graph_seq_lens = torch.zeros(padded, dtype=torch.int32, device=device)
     builder._graph_block_table = None
     from vllm.config import CUDAGraphMode
