@@ -262,12 +262,18 @@ def balanced_split_table(plan: StepPlan | None, rows: int, width: int, kv_heads:
                          scored: list[bool] | None = None) -> torch.Tensor:
     """``(width,)`` int32 host table of each row's split count (``experimental.balanced_splits``,
     :func:`sfi_vllm.kernels.fast_decode.balanced_row_splits` over :func:`row_keys`); rows past
-    ``rows`` (CUDA-graph padding) take 1. Without a plan's contexts every row counts the same."""
-    from sfi_vllm.kernels.fast_decode import balanced_row_splits
+    ``rows`` (CUDA-graph padding) take 1. Without a plan's contexts every row takes the default
+    count (:func:`~sfi_vllm.kernels.fast_decode.uniform_num_splits`). Where the launch's grid has
+    one split (large batches) every row takes 1 without counting."""
+    from sfi_vllm.kernels.fast_decode import balanced_num_splits, balanced_row_splits, uniform_num_splits
 
-    work = row_keys(plan, scored) if plan is not None and plan.context is not None else [1] * rows
-    work = (work + [0] * rows)[:rows]
     out = torch.ones(width, dtype=torch.int32)
+    if balanced_num_splits(rows, kv_heads) <= 1:
+        return out
+    if plan is None or plan.context is None:
+        out[:rows] = uniform_num_splits(rows, kv_heads)
+        return out
+    work = (row_keys(plan, scored) + [0] * rows)[:rows]
     out[:rows] = torch.tensor(balanced_row_splits(work, kv_heads), dtype=torch.int32)
     return out
 
