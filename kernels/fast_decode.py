@@ -37,8 +37,10 @@ same number of splits, so in a batch of mostly fast rows (a few thousand keys ea
 fast row, each reading several times the keys, and the launch waits for them. With ``row_splits``
 each row takes its own count, at most the grid's ``num_splits``; the host gives each row a share of
 the launch's programs in proportion to the keys it reads (:func:`balanced_row_splits`), and the
-grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read nothing and
-write only an empty log-sum-exp, which the merge skips.
+grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read no query,
+keys or values (only the row's table entries) and write only an empty log-sum-exp, which the merge
+skips. Not yet timed on a GPU: ``benchmarks/mixed_rows_bench.py`` times both rules, the larger
+grid's idle programs included.
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
@@ -194,7 +196,7 @@ def _fast_decode_split(
         splits = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + b), 1), NUM_SPLITS)
     else:
         splits = NUM_SPLITS
-    active = s < splits  # an idle program (past its row's splits) reads nothing and writes only its LSE
+    active = s < splits  # an idle program (past its row's splits) reads no keys and writes only its LSE
     per = tl.cdiv(tl.cdiv(total, splits), BLOCK_N) * BLOCK_N
     if WIDE_N > 0:  # a dense row of at least wide_from keys that writes no scores: WIDE_N-key tiles
         wide = (slot_raw < 0) & (seq >= wide_from)
@@ -385,11 +387,13 @@ def balanced_row_splits(work: list[int], kv_heads: int, target_programs: int | N
     return [int(min(64, max(1, -(-max(0, w) // per)))) for w in work]
 
 
-def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_size: int) -> int:
-    """float32 elements of the partial outputs + LSEs for any batch of up to ``max_rows`` rows,
-    with or without balanced splits."""
-    return max(b * q_heads * max(uniform_num_splits(b, kv_heads), balanced_num_splits(b, kv_heads)) * (head_size + 1)
-               for b in range(1, max_rows + 1))
+def uniform_workspace_numel(max_rows: int, q_heads: int, kv_heads: int, head_size: int,
+                            balanced: bool = False) -> int:
+    """float32 elements of the partial outputs + LSEs for any batch of up to ``max_rows`` rows;
+    ``balanced``: for the grids of balanced splits (:func:`balanced_num_splits`) too."""
+    def splits(b: int) -> int:
+        return max(uniform_num_splits(b, kv_heads), balanced_num_splits(b, kv_heads) if balanced else 1)
+    return max(b * q_heads * splits(b) * (head_size + 1) for b in range(1, max_rows + 1))
 
 
 def fast_decode_attention(

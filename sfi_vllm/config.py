@@ -191,8 +191,9 @@ class ExperimentalConfig(_StrictNumbers):
             "GPU kernel path, uniform decode launches (one token per row): each row of the fast-step "
             "kernel takes a share of the launch's programs in proportion to the keys it reads, instead "
             "of every row the same split count, so that a dense row among fast rows (a slow row, a "
-            "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs "
-            "(docs/settings.md). Not with one_wave_splits"
+            "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs; "
+            "its grid is larger (idle programs included). Not yet timed on a GPU "
+            "(benchmarks/mixed_rows_bench.py; docs/settings.md). Not with one_wave_splits"
         ),
     )
     synthetic_acceptance: bool = Field(

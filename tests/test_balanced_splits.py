@@ -50,7 +50,7 @@ def test_row_keys_count_what_each_row_reads():
     assert row_keys(plan, scored=[False, True, False, True])[3] == keys[3] + 8192 // 2
 
 
-def test_the_table_pads_with_one_split_and_skips_large_batches():
+def test_the_table_pads_with_one_split_and_skips_large_batches(monkeypatch):
     cfg = build_config({"boundary_token_ids": [7]}, use_env=False)
     plan = plan_for([StepMode.SLOW] + [StepMode.FAST] * 3, cfg=cfg, context=[16384] * 4)
     table = balanced_split_table(plan, 4, 10, 8).tolist()
@@ -58,7 +58,14 @@ def test_the_table_pads_with_one_split_and_skips_large_batches():
     assert table[:4] == balanced_row_splits(row_keys(plan), 8)
     # no plan: every row alike
     assert balanced_split_table(None, 4, 6, 8).tolist() == [uniform_num_splits(4, 8)] * 4 + [1, 1]
-    # a grid of one split: nothing to share
+    # a grid of one split: nothing to share, and no host pass over the rows
     assert balanced_num_splits(300, 8) == 1
     big = plan_for([StepMode.SLOW] + [StepMode.FAST] * 299, cfg=cfg, context=[16384] * 300)
+
+    def no_count(*args, **kwargs):
+        raise AssertionError("counted the keys of a batch whose grid has one split")
+    import sfi_vllm.backends.common as common
+    monkeypatch.setattr(common, "row_keys", no_count)
     assert balanced_split_table(big, 300, 320, 8).tolist() == [1] * 320
+    with pytest.raises(AssertionError, match="counted the keys"):
+        balanced_split_table(plan, 4, 10, 8)

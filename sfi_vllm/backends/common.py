@@ -291,7 +291,9 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
     copy_to_device(persistent[:2, :n], fast_row_tables(plan, list(range(n))))
     balanced = controller.cfg.experimental.balanced_splits
     fused = persistent.shape[0] == uniform_table_rows(True, balanced)
-    assert persistent.shape[0] == uniform_table_rows(fused, balanced), "persistent tables of another layout"
+    if persistent.shape[0] != uniform_table_rows(fused, balanced):
+        raise RuntimeError(f"sfi-vllm: {persistent.shape[0]} persistent row tables, not the layout of "
+                           f"balanced_splits={balanced}; this is a bug")
     scored = None
     if fused:
         # every row, the CUDA-graph padding past n included: a padding row keeping an earlier
@@ -301,7 +303,8 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
         scored = (frames[0, :n] >= 0).tolist()
     splits = None
     if balanced:
-        assert kv_heads > 0, "balanced splits need the layers' KV heads"
+        if kv_heads <= 0:
+            raise RuntimeError("sfi-vllm: balanced splits need the layers' KV heads; this is a bug")
         splits = persistent[persistent.shape[0] - 1]
         copy_to_device(splits, balanced_split_table(plan, n, persistent.shape[1], kv_heads, scored))
     if plan is not None and controller.buffers:

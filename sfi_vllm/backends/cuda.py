@@ -243,7 +243,8 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
         if executor.fast_workspace is None:
             # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
             # (they run one after another on one stream); allocated here so profiling counts it
-            numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size)
+            numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size,
+                                            balanced=cfg.experimental.balanced_splits)
             executor.fast_workspace = torch.empty(numel, dtype=torch.float32,
                                                   device=torch.device("cuda", torch.cuda.current_device()))
             logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)

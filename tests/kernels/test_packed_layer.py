@@ -91,7 +91,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                    block_table=torch.cat([cam.block_table_tensor, cam.block_table_tensor[:1]]))
     qu = torch.cat([qd, qd[:1]])
     out = torch.full_like(qu, float("nan"))
-    ws = torch.empty(uniform_workspace_numel(8, hq, hkv, d), dtype=torch.float32, device=device)
+    ws = torch.empty(uniform_workspace_numel(8, hq, hkv, d, balanced=True), dtype=torch.float32, device=device)
     fast.fast_uniform(uni, paged, qu, out, ws)
     out = out.float().cpu()
     err = ((out[: n - 1] - outs[0]).norm() / outs[0].norm()).item()
@@ -253,7 +253,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
         layer.stage = torch.full((n + 2, hq, d), float("nan"), dtype=dtype, device=device)
         layer.kv = p.nhd_views()
     persistent = torch.zeros(uniform_table_rows(fused, balanced), n, dtype=torch.int32, device=device)
-    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d, balanced=balanced), dtype=torch.float32, device=device)
     if balanced:
         ws.fill_(float("nan"))  # an idle program's partial output must not reach the merge
     for it in range(steps):
@@ -522,6 +522,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
 
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import FastRows, SFIStep, attach_fast_tables, make_step
+    from sfi_vllm.backends.common import uniform_table_rows
     from sfi_vllm.backends.cuda import SFIFlashMetadataBuilder
     from sfi_vllm.backends.selection import SlowStepSelection
     from sfi_vllm.backends.step_refresh import FusedScoreBuffers
@@ -555,7 +556,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     # the drafter's graph pads the batch by one row (drafter_graphs): the build asks vLLM's
     # dispatcher for the padding, and the tables it makes then serve the graph's decision
     padded = n + 1
-    builder._row_tables = torch.zeros(5, padded, dtype=torch.int32, device=device)
+    builder._row_tables = torch.zeros(uniform_table_rows(True, False), padded, dtype=torch.int32, device=device)
     builder._kv_heads = hkv
     builder._graph_seq_lens = torch.zeros(padded, dtype=torch.int32, device=device)
     builder._graph_block_table = None
