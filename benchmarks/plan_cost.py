@@ -6,7 +6,9 @@ No vLLM engine and no GPU: a controller built from a minimal engine config (the 
 preset, the lagged token reader that a GPU engine uses, a one-token boundary vocabulary) plans
 steady decode steps, every row past its first selection, as vLLM's model runner would call it
 before each forward pass. Prints the mean per step over 300 steps (after 100 warm-up steps) per
-batch size; ``--profile B`` adds cProfile's top functions at batch B. Under vLLM's async
+batch size; ``--profile B`` adds cProfile's top functions at batch B; ``--balanced-splits`` also
+makes each step's split table of ``experimental.balanced_splits`` (8 KV heads, as the CUDA
+metadata builder does for a uniform step). Under vLLM's async
 scheduling this host time overlaps the previous step's device time; where it is longer (small
 models, large batches) it sets the step.
 """
@@ -39,8 +41,10 @@ def controller(batch: int):
     return SFIController(build_config(sfi, use_env=False), vllm_config)
 
 
-def planner(batch: int):
+def planner(batch: int, balanced_splits: bool = False):
     """A function that plans and ends one decode step of ``batch`` rows at growing contexts."""
+    from sfi_vllm.backends.common import balanced_split_table
+
     ctl = controller(batch)
     ids = [f"req{i}-0123abcd" for i in range(batch)]
     prompts = [8000 + i for i in range(batch)]
@@ -52,7 +56,9 @@ def planner(batch: int):
 
     def step():
         nonlocal computed
-        ctl.plan_step(ids, ones, computed, prompts, tokens)
+        plan = ctl.plan_step(ids, ones, computed, prompts, tokens)
+        if balanced_splits:
+            balanced_split_table(plan, batch, max(batch, 2), 8)
         ctl.end_step()
         computed = computed + 1
 
@@ -64,16 +70,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,128")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profile", type=int, default=None, metavar="B", help="cProfile the steps at batch B")
+    ap.add_argument("--balanced-splits", action="store_true",
+                    help="also make each step's split table of experimental.balanced_splits")
     args = ap.parse_args()
     for batch in map(int, args.batches.split(",")):
-        step = planner(batch)
+        step = planner(batch, args.balanced_splits)
         for _ in range(100):
             step()
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         per_step = (time.perf_counter() - start) / args.steps
-        print(f"batch {batch}: {per_step * 1e6:.0f} us per plan_step + end_step", flush=True)
+        what = " + balanced split table" if args.balanced_splits else ""
+        print(f"batch {batch}: {per_step * 1e6:.0f} us per plan_step{what} + end_step", flush=True)
         if args.profile == batch:
             prof = cProfile.Profile()
             prof.enable()
