@@ -304,7 +304,8 @@ class Policy(_SettingsModel):
         "tokens; slide: it is the last recent_window tokens at every step",
     )
     quest_page: int = Field(16, ge=1, le=4096,
-                            description="page size of the quest policy; at most K (K is taken in whole pages)")
+                            description="page size of the quest policy; at most K (K is taken in whole pages; with "
+                            "selected_fraction at most selected_floor, or selected_cap with a floor of 0)")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -401,13 +402,16 @@ class Policy(_SettingsModel):
                 f"selected_floor ({self.selected_floor}) must be <= selected_cap ({self.selected_cap})"
             )
         if self.policy == "quest":
-            # K holds whole pages: a page larger than the largest K would leave the policy with
-            # nothing to select (sinks and window alone) at every context
-            most = (("selected_tokens", self.selected_tokens) if self.selected_tokens is not None
-                    else ("selected_cap", self.selected_cap))
-            if self.quest_page > most[1]:
-                raise ValueError(f"quest_page ({self.quest_page}) must be <= {most[0]} ({most[1]}) under "
-                                 "policy quest: K is taken in whole pages, and no page of that size fits")
+            # K holds whole pages: a page larger than K leaves the policy nothing to select (sinks and
+            # window alone). With a fraction K is never below selected_floor, so the page must fit
+            # the floor; a floor of 0 allows no selection at short contexts, so only the cap binds.
+            least = (("selected_tokens", self.selected_tokens) if self.selected_tokens is not None
+                     else ("selected_floor", self.selected_floor) if self.selected_floor > 0
+                     else ("selected_cap", self.selected_cap))
+            if self.quest_page > least[1]:
+                raise ValueError(f"quest_page ({self.quest_page}) must be <= {least[0]} ({least[1]}) under "
+                                 "policy quest: K is taken in whole pages, and no page of that size fits "
+                                 + ("K" if least[0] == "selected_tokens" else f"a K of {least[1]}"))
         return self
 
     @property

@@ -54,8 +54,22 @@ class SFIRequestError(SFIConfigError):
     ``extra_args.sfi.selector.alpha``), or the request's SFI settings as a whole."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(bounded(message, ECHO_TOTAL))
+        self.param = bounded(param, ECHO_RUN)
+
+
+# What an error message may repeat of the client's input: a key or value is cut to ECHO_RUN
+# characters, the whole message to ECHO_TOTAL, so a megabyte-long setting gets a short answer.
+ECHO_RUN = 120
+ECHO_TOTAL = 2000
+_LONG_RUN = re.compile(r"\S{%d,}" % (ECHO_RUN + 1))
+
+
+def bounded(text: str, total: int) -> str:
+    """``text`` with each run of more than :data:`ECHO_RUN` non-space characters cut to its start
+    and its length, and at most ``total`` characters in all."""
+    text = _LONG_RUN.sub(lambda m: f"{m.group()[:ECHO_RUN // 2]}...({len(m.group())} characters)", text)
+    return text if len(text) <= total else text[:total - 30] + f"...({len(text)} characters)"
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     # found in the front end, not only in the engine's process (where it comes inside worker tracebacks)
     ("sfi", dict(additional_config={"sfi": {"stats_file": "/nonexistent-dir/stats.jsonl"}}),
      "sfi.stats_file: cannot append to '/nonexistent-dir/stats.jsonl'"),
+    # a directory is writable but cannot be appended to
+    ("sfi", dict(additional_config={"sfi": {"stats_file": "/tmp"}}), "sfi.stats_file: cannot append to '/tmp'"),
 ])
 def test_start_up_refusals_in_the_front_end(attention_backend, extra, needle):
     from vllm.engine.arg_utils import EngineArgs

@@ -73,9 +73,7 @@ def check_sfi_engine(vllm_config) -> None:
     if not kv_cache_in_model_dtype(cache_dtype, getattr(model_config, "dtype", None), cuda):
         problems.append(f"the KV cache must be in the model's dtype; got --kv-cache-dtype {cache_dtype}: "
                         "drop --kv-cache-dtype")
-    if cfg.stats_file and not os.access(cfg.stats_file, os.W_OK) and (
-            os.path.exists(cfg.stats_file) or not os.access(os.path.dirname(os.path.abspath(cfg.stats_file)),
-                                                            os.W_OK)):
+    if cfg.stats_file and not appendable(cfg.stats_file):
         # the engine's process checks it too (by opening it); here the message reaches the user alone
         problems.append(f"sfi.stats_file: cannot append to {cfg.stats_file!r}; give a writable file in an "
                         "existing directory")
@@ -105,6 +103,16 @@ def check_sfi_engine(vllm_config) -> None:
     if model_config is not None:
         install_request_validation(cfg, model_config)
     logger.info("sfi-vllm on vLLM %s: %s", version, cfg.model_dump(exclude_defaults=True) or "defaults")
+
+
+def appendable(path: str) -> bool:
+    """Whether this process can append to ``path``: a writable regular file (not a directory), or
+    a name not yet taken in a writable directory."""
+    if os.path.isdir(path):
+        return False
+    if os.path.exists(path):
+        return os.access(path, os.W_OK)
+    return os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
 
 
 def kv_cache_in_model_dtype(cache_dtype: str, model_dtype, cuda: bool) -> bool:
