@@ -135,7 +135,6 @@ class SFIController:
         self._request_cfgs: dict[str, SFIConfig] = {}
         # the longest context a request can reach: what a request's compact set is checked against
         self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-        self.limits = EngineLimits.for_engine(cfg, self.max_model_len)
         # Under tensor or pipeline parallelism every worker plans the same steps and records the
         # same per-request statistics; only the rank-0 worker appends them to the stats file, so
         # a request has one record there whatever the parallel layout.
@@ -166,6 +165,8 @@ class SFIController:
         if boundary is not None:
             vocab = max(vocab, max(boundary.enders | boundary.skips, default=0) + 1)
         self.trigger = SlowStepTrigger(cfg, self.num_slots, vocab, boundary)
+        # what a request may set here: the boundary trigger only with the enders this worker has
+        self.limits = EngineLimits.for_engine(cfg, self.max_model_len, boundary is not None)
         # The last sampled tokens live on the GPU; they are read to the host (a device sync) only
         # at steps whose decisions need them (DeferredTokens), or a step late without waiting
         # (LaggedTokens). With boundary_read "auto" the reader is chosen at the first decode step,
@@ -177,23 +178,35 @@ class SFIController:
     # -- set-up ---------------------------------------------------------------------------------
     def _boundary_tokens(self, vllm_config: Any) -> BoundaryTokens | None:
         cfg = self.cfg
+        """The sentence enders: ``boundary_token_ids``, or the tokenizer's. They are taken from the
+        tokenizer also where the engine's boundary trigger is off, so that a request can turn it on
+        (``EngineLimits.for_engine`` says the same to the front end); then a tokenizer that does not
+        load costs requests that option only (a warning), not the start-up."""
         if cfg.boundary_token_ids is not None:
             return BoundaryTokens(frozenset(cfg.boundary_token_ids), frozenset())
-        if not cfg.boundary_trigger:
-            return None
         model_config = vllm_config.model_config
         if getattr(model_config, "skip_tokenizer_init", False):
+            if not cfg.boundary_trigger:
+                return None
             raise ValueError(
                 "sfi-vllm: skip_tokenizer_init leaves the boundary trigger without a vocabulary; "
                 "set sfi.boundary_token_ids or sfi.boundary_trigger=false"
             )
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(
-            model_config.tokenizer,
-            revision=getattr(model_config, "tokenizer_revision", None),
-            trust_remote_code=getattr(model_config, "trust_remote_code", False),
-        )
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                model_config.tokenizer,
+                revision=getattr(model_config, "tokenizer_revision", None),
+                trust_remote_code=getattr(model_config, "trust_remote_code", False),
+            )
+        except Exception as e:
+            if cfg.boundary_trigger:
+                raise
+            logger.warning("sfi-vllm: the tokenizer did not load (%s), so this engine has no sentence enders: "
+                           "a request that turns the boundary trigger on runs densely; give "
+                           "sfi.boundary_token_ids to allow it", e)
+            return None
         boundary = boundary_tokens_from_tokenizer(tok, cfg.newline_is_boundary)
         logger.info(
             "sfi-vllm: %d sentence-ending token ids and %d whitespace ids from the tokenizer",

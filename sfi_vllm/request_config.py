@@ -78,12 +78,15 @@ class EngineLimits:
 
     cfg: SFIConfig
     max_model_len: int | None  # the longest context: the compact buffers hold sinks + K at it
-    has_boundary: bool  # the engine built sentence-ender ids (boundary trigger on, or explicit ids)
+    has_boundary: bool  # the engine has sentence-ender ids (explicit, or from its tokenizer)
 
     @classmethod
-    def for_engine(cls, cfg: SFIConfig, max_model_len: int | None) -> "EngineLimits":
-        # the controller builds enders exactly when these hold (SFIController._boundary_tokens)
-        return cls(cfg, max_model_len, cfg.boundary_token_ids is not None or cfg.boundary_trigger)
+    def for_engine(cls, cfg: SFIConfig, max_model_len: int | None, has_tokenizer: bool = True) -> "EngineLimits":
+        """The limits of an engine as it will start: the controller takes the enders from
+        ``boundary_token_ids`` or, where the engine has a tokenizer (not ``skip_tokenizer_init``),
+        from the tokenizer, whether or not the engine's own boundary trigger is on, so that a
+        request may turn it on (SFIController._boundary_tokens)."""
+        return cls(cfg, max_model_len, cfg.boundary_token_ids is not None or has_tokenizer)
 
 
 def _nested_models() -> dict[str, type[BaseModel]]:
@@ -394,8 +397,9 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary and engine.mode != "lossless":
         name = names.get(("boundary_trigger",)) or names.get(("policy",)) or names.get(("preset",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "
-                              "has none (it started with sfi.boundary_trigger false and no boundary_token_ids); "
-                              "allowed: boundary_trigger false", name)
+                              "has none (it started without a tokenizer and without sfi.boundary_token_ids); "
+                              "allowed: boundary_trigger false. The engine's operator can give "
+                              "sfi.boundary_token_ids", name)
 
 
 def _param_at_fault(error: SFIConfigError, names: Mapping[tuple, str], where: str) -> str:

@@ -200,7 +200,10 @@ def test_a_fixed_key_at_the_engines_value_and_a_dense_request_of_any_budget_are_
 
 
 def test_boundary_trigger_needs_the_engines_enders():
-    no_enders = limits({**ENGINE, "boundary_token_ids": None, "boundary_trigger": False})
+    trigger_off = build_config({**ENGINE, "boundary_token_ids": None, "boundary_trigger": False}, use_env=False)
+    # an engine with a tokenizer has its enders with its own trigger off: a request may turn it on
+    assert resolve_request_config(EngineLimits.for_engine(trigger_off, 1024), {"sfi_boundary_trigger": 1}).boundary_trigger
+    no_enders = EngineLimits.for_engine(trigger_off, 1024, has_tokenizer=False)  # skip_tokenizer_init
     with pytest.raises(SFIRequestError, match="sentence-ender") as info:
         resolve_request_config(no_enders, {"sfi_boundary_trigger": True})
     assert info.value.param == "vllm_xargs.sfi_boundary_trigger"
@@ -519,9 +522,10 @@ def test_a_preset_that_outgrows_the_buffers_is_named_with_what_it_brings():
 
 def test_a_lossless_engine_without_enders_takes_requests_that_ask_for_the_boundary_trigger():
     """Lossless mode runs no boundary trigger, so a preset or a request's boundary_trigger asks for
-    nothing the engine lacks; the lossy engine refuses them."""
+    nothing the engine lacks; the lossy engine (started without a tokenizer) refuses them."""
     for mode, refused in (("lossy", True), ("lossless", False)):
-        lim = limits({"sinks": 4, "selected_tokens": 2048, "boundary_trigger": False, "mode": mode}, 8192)
+        cfg = build_config({"sinks": 4, "selected_tokens": 2048, "boundary_trigger": False, "mode": mode}, use_env=False)
+        lim = EngineLimits.for_engine(cfg, 8192, has_tokenizer=False)
         for extra in ({"sfi_preset": "balanced"}, {"sfi_boundary_trigger": 1}):
             if refused:
                 with pytest.raises(SFIRequestError, match="needs sentence-ender token ids"):

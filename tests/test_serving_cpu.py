@@ -21,8 +21,8 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-# K = 32: the compact buffers hold sinks + K = 36 tokens. The boundary trigger is off and no
-# ender ids are given, so a request cannot turn it on.
+# K = 32: the compact buffers hold sinks + K = 36 tokens. The boundary trigger is off; the engine
+# still takes the enders from the tokenizer, so a request can turn it on.
 SFI = {"sinks": 4, "recent_window": 32, "selected_tokens": 32, "reuse_budget": 8, "min_gap": 2,
        "boundary_trigger": False, "bridge_steps": 0}
 MAX_NUM_SEQS = 16
@@ -146,7 +146,6 @@ BAD_REQUESTS = [
     ({"sfi_selected_fraction": 1.5}, "vllm_xargs.sfi_selected_fraction", "0.0 < value <= 1.0"),
     ({"sfi_selected_fraction": 0.5}, "vllm_xargs.sfi_selected_fraction", "sinks + K <= 36"),
     ({"sfi_boundary_trigger": "maybe"}, "vllm_xargs.sfi_boundary_trigger", "true or false"),
-    ({"sfi_boundary_trigger": True}, "vllm_xargs.sfi_boundary_trigger", "sentence-ender token ids"),
     ({"sfi_kernels": "torch"}, "vllm_xargs.sfi_kernels", "engine-wide setting"),
     ({"sfi_stats_file": "/tmp/x.jsonl"}, "vllm_xargs.sfi_stats_file", "engine-wide setting"),
     ({"sfi_selector_alpha": 100}, "vllm_xargs.sfi_selector_alpha", "0.0 < value <= 4.0"),
@@ -262,6 +261,19 @@ def test_request_settings_over_http_configure_the_request(server, form):
         assert d["dense"] == 0 and d["fast"] > 0 and d["slow"] >= 2
     if form == "json":  # reuse budget 4: at most 4 fast steps per slow step
         assert d["fast"] <= 4 * d["slow"]
+
+
+def test_a_request_turns_on_the_boundary_trigger_the_engine_left_off(server):
+    """The engine starts with the boundary trigger off; a request that turns it on gets slow steps
+    at its sentence ends (the enders come from the tokenizer whatever the engine's own setting)."""
+    before = server.metrics()
+    out = _chat(server.client(), server.model, {"sfi_boundary_trigger": True, "sfi_reuse_budget": 64},
+                max_tokens=32)
+    text = out.choices[0].message.content
+    assert any(c in text[:-1] for c in ".!?"), f"no sentence end before the last token: {text!r}"
+    boundary = (total(server.metrics(), "sfi_slow_steps_total", reason="boundary")
+                - total(before, "sfi_slow_steps_total", reason="boundary"))
+    assert boundary > 0, text
 
 
 def test_metrics_are_on_the_servers_metrics_endpoint(server):

@@ -245,7 +245,8 @@ def install_request_validation(cfg, model_config) -> None:
     from sfi_vllm.request_config import EngineLimits
     from sfi_vllm.request_validation import set_engine_limits
 
-    set_engine_limits(EngineLimits.for_engine(cfg, getattr(model_config, "max_model_len", None)))
+    set_engine_limits(EngineLimits.for_engine(cfg, getattr(model_config, "max_model_len", None),
+                                              not getattr(model_config, "skip_tokenizer_init", False)))
 
 
 def refuse_sfi_settings_without_sfi(vllm_config) -> None:
