@@ -21,6 +21,7 @@ A bad value raises :class:`SFIConfigError` naming the field and the allowed rang
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
@@ -192,8 +193,9 @@ class ExperimentalConfig(_StrictNumbers):
             "kernel takes a share of the launch's programs in proportion to the keys it reads, instead "
             "of every row the same split count, so that a dense row among fast rows (a slow row, a "
             "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs; "
-            "its grid is larger (idle programs included). H100, 16 x 16K: 1.80x dense against 1.39x with 2 of "
-            "16 rows dense, but 2.25x against 2.47x and a higher p99 with every row fast (docs/settings.md). "
+            "its grid is larger (idle programs included). H100, 16 x 16K: 1.79-1.80x dense against 1.39x with 2 "
+            "of 16 rows dense, but 2.24-2.26x against 2.47x with every row fast, and a p99 ITL 4 ms higher in "
+            "both (docs/settings.md). "
             "Not with one_wave_splits"
         ),
     )
@@ -306,7 +308,7 @@ class Policy(_SettingsModel):
     )
     quest_page: int = Field(16, ge=1, le=4096,
                             description="page size of the quest policy; at most K (K is taken in whole pages; with "
-                            "selected_fraction at most selected_floor, or selected_cap with a floor of 0)")
+                            "selected_fraction, at most the K it gives at max_model_len)")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -403,16 +405,14 @@ class Policy(_SettingsModel):
                 f"selected_floor ({self.selected_floor}) must be <= selected_cap ({self.selected_cap})"
             )
         if self.policy == "quest":
-            # K holds whole pages: a page larger than K leaves the policy nothing to select (sinks and
-            # window alone). With a fraction K is never below selected_floor, so the page must fit
-            # the floor; a floor of 0 allows no selection at short contexts, so only the cap binds.
-            least = (("selected_tokens", self.selected_tokens) if self.selected_tokens is not None
-                     else ("selected_floor", self.selected_floor) if self.selected_floor > 0
-                     else ("selected_cap", self.selected_cap))
-            if self.quest_page > least[1]:
-                raise ValueError(f"quest_page ({self.quest_page}) must be <= {least[0]} ({least[1]}) under "
-                                 "policy quest: K is taken in whole pages, and no page of that size fits "
-                                 + ("K" if least[0] == "selected_tokens" else f"a K of {least[1]}"))
+            # K holds whole pages: a page larger than the largest K would leave the policy with
+            # nothing to select (sinks and window alone) at every context (quest_page_problem: the
+            # largest K within the engine's max_model_len)
+            most = (("selected_tokens", self.selected_tokens) if self.selected_tokens is not None
+                    else ("selected_cap", self.selected_cap))
+            if self.quest_page > most[1]:
+                raise ValueError(f"quest_page ({self.quest_page}) must be <= {most[0]} ({most[1]}) under "
+                                 "policy quest: K is taken in whole pages, and no page of that size fits")
         return self
 
     @property
@@ -433,6 +433,19 @@ class Policy(_SettingsModel):
             return self.selected_tokens
         k = round(self.selected_fraction * context_len)
         return max(self.selected_floor, min(self.selected_cap, k))
+
+    def quest_page_problem(self, max_context_len: int | None) -> str | None:
+        """Why ``quest_page`` selects nothing at any context up to ``max_context_len`` (the largest
+        K a fraction gives there is smaller than a page), or None."""
+        if self.policy != "quest" or self.selected_fraction is None or not max_context_len:
+            return None
+        most = self.selected_budget(max_context_len)
+        if self.quest_page <= most:
+            return None
+        return (f"quest_page ({self.quest_page}) must be <= {most}, the largest K that selected_fraction "
+                f"{self.selected_fraction} gives within max_model_len {max_context_len} (selected_floor "
+                f"{self.selected_floor}, selected_cap {self.selected_cap}): K is taken in whole pages, and no page "
+                "of that size fits at any context")
 
     def compact_capacity(self, max_context_len: int) -> int:
         """Tokens a compact set can hold: sinks + the largest K a context up to ``max_context_len``
@@ -669,6 +682,18 @@ def preset_values(name: str) -> dict[str, Any]:
     return _read_yaml(PRESET_DIR / f"{name}.yaml", f"preset {name!r}")
 
 
+# An error message repeats a value the user gave in at most about ECHO_CHARS characters (its start
+# and end), so that a megabyte-long setting gets a short answer.
+ECHO_CHARS = 120
+_ECHO = reprlib.Repr()
+_ECHO.maxstring = _ECHO.maxlong = _ECHO.maxother = ECHO_CHARS
+
+
+def echo(value: Any) -> str:
+    """``repr(value)`` for an error message, cut in the middle past :data:`ECHO_CHARS`."""
+    return _ECHO.repr(value)
+
+
 def _allowed_range(loc: tuple) -> str:
     """'0 <= x <= 4096'-style text for a numeric field, from its declared constraints."""
     model: Any = SFIConfig
@@ -724,7 +749,7 @@ def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, s
         allowed = f" (allowed: {rng})" if rng else ""
         if e["type"] == "literal_error" and "expected" in ctx:
             allowed = ""
-        got = f"; got {e['input']!r}" if "input" in e and not isinstance(e["input"], dict) else ""
+        got = f"; got {echo(e['input'])}" if "input" in e and not isinstance(e["input"], dict) else ""
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "int_parsing_size":  # a number too large for an integer: not a string's fault
             msg = "Input should be an integer"
@@ -797,7 +822,7 @@ def config_from_vllm(vllm_config: Any) -> SFIConfig:
         sfi = {}
     if not isinstance(sfi, dict):
         raise SFIConfigError(
-            f"--additional-config: the {ADDITIONAL_CONFIG_KEY!r} key must be a JSON object; got {sfi!r}"
+            f"--additional-config: the {ADDITIONAL_CONFIG_KEY!r} key must be a JSON object; got {echo(sfi)}"
         )
     return build_config(sfi)
 

@@ -177,13 +177,16 @@ class SFIController:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _boundary_tokens(self, vllm_config: Any) -> BoundaryTokens | None:
-        cfg = self.cfg
         """The sentence enders: ``boundary_token_ids``, or the tokenizer's. They are taken from the
         tokenizer also where the engine's boundary trigger is off, so that a request can turn it on
         (``EngineLimits.for_engine`` says the same to the front end); then a tokenizer that does not
-        load costs requests that option only (a warning), not the start-up."""
+        load or has no enders costs requests that option only (a warning), not the start-up. The
+        lossless mode runs no boundary trigger, so with its own off it takes none."""
+        cfg = self.cfg
         if cfg.boundary_token_ids is not None:
             return BoundaryTokens(frozenset(cfg.boundary_token_ids), frozenset())
+        if cfg.mode == "lossless" and not cfg.boundary_trigger:
+            return None
         model_config = vllm_config.model_config
         if getattr(model_config, "skip_tokenizer_init", False):
             if not cfg.boundary_trigger:
@@ -200,14 +203,13 @@ class SFIController:
                 revision=getattr(model_config, "tokenizer_revision", None),
                 trust_remote_code=getattr(model_config, "trust_remote_code", False),
             )
+            boundary = boundary_tokens_from_tokenizer(tok, cfg.newline_is_boundary)
         except Exception as e:
             if cfg.boundary_trigger:
                 raise
-            logger.warning("sfi-vllm: the tokenizer did not load (%s), so this engine has no sentence enders: "
-                           "a request that turns the boundary trigger on runs densely; give "
-                           "sfi.boundary_token_ids to allow it", e)
+            logger.warning("sfi-vllm: no sentence enders from the tokenizer (%s): a request that turns the "
+                           "boundary trigger on runs densely; give sfi.boundary_token_ids to allow it", e)
             return None
-        boundary = boundary_tokens_from_tokenizer(tok, cfg.newline_is_boundary)
         logger.info(
             "sfi-vllm: %d sentence-ending token ids and %d whitespace ids from the tokenizer",
             len(boundary.enders),

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel
 
-from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, engine_fields, merge_policy
+from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, echo, engine_fields, merge_policy
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a dict, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -58,10 +58,12 @@ class SFIRequestError(SFIConfigError):
         self.param = bounded(param, ECHO_RUN)
 
 
-# What an error message may repeat of the client's input: a key or value is cut to ECHO_RUN
-# characters, the whole message to ECHO_TOTAL, so a megabyte-long setting gets a short answer.
+# A backstop on what an error message repeats of the client's input (values are cut where they
+# are formatted, config.echo): a run of more than ECHO_RUN non-space characters (a long key) is cut
+# to its start and its length, the whole message to ECHO_TOTAL characters (the longest message,
+# an unknown key's list of the allowed ones, is under 2,000).
 ECHO_RUN = 120
-ECHO_TOTAL = 2000
+ECHO_TOTAL = 4000
 _LONG_RUN = re.compile(r"\S{%d,}" % (ECHO_RUN + 1))
 
 
@@ -240,7 +242,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                       f"(e.g. '{{\"selected_tokens\": 512}}'); not valid JSON: {e}", name) from None
         if not isinstance(raw, dict):
             raise SFIRequestError(f"{name}: must be an object of SFI settings (a dict, or a JSON object "
-                                  f"as a string); got {type(raw).__name__} {reprlib.repr(raw)}", name)
+                                  f"as a string); got {type(raw).__name__} {echo(raw)}", name)
         nested = _nested_models()
         for key, value in raw.items():
             if key in MOVED_FIELDS:
@@ -256,7 +258,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                 if not isinstance(value, dict):
                     raise SFIRequestError(f"{name}.{key}: must be an object of {key} settings "
                                           f"(e.g. {{\"{key}\": {{\"{next(iter(nested[key].model_fields))}\": ...}}}}); "
-                                          f"got {type(value).__name__} {reprlib.repr(value)}", f"{name}.{key}")
+                                          f"got {type(value).__name__} {echo(value)}", f"{name}.{key}")
                 for inner, v in value.items():
                     if not isinstance(inner, str):
                         raise SFIRequestError(f"{name}.{key}: unknown {key} setting {reprlib.repr(inner)}; "
@@ -321,7 +323,7 @@ def _unsendable(value: Any) -> str | None:
     try:
         _PLAIN_MSGPACK.encode(value)
     except Exception as e:  # TypeError for an object msgpack does not know, OverflowError past 64 bits
-        return (f"{reprlib.repr(value)} is not plain data vLLM sends to its engine process ({e}); give a str, "
+        return (f"{echo(value)} is not plain data vLLM sends to its engine process ({e}); give a str, "
                 "bool, int, float, or a list of them (str(x), int(x), float(x), x.tolist())")
     return None
 
@@ -393,11 +395,17 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                                   f"{limits.max_model_len}) needs {need} tokens, more than the engine's compact "
                                   f"buffers hold ({have}: its own sinks + K); allowed: sinks + K <= {have}. {fix}",
                                   name)
+    problem = cfg.quest_page_problem(limits.max_model_len)
+    if problem:
+        name = (names.get(("quest_page",)) or names.get(("selected_fraction",)) or names.get(("policy",))
+                or names.get(("preset",)) or REQUEST_KEY)
+        raise SFIRequestError(f"{name}: {problem}", name)
     # lossless mode runs no boundary trigger (its drafter re-selects at verify steps)
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary and engine.mode != "lossless":
         name = names.get(("boundary_trigger",)) or names.get(("policy",)) or names.get(("preset",)) or REQUEST_KEY
         raise SFIRequestError(f"{name}: the boundary trigger needs sentence-ender token ids, and this engine "
-                              "has none (it started without a tokenizer and without sfi.boundary_token_ids); "
+                              "has none (it has no sfi.boundary_token_ids, and no tokenizer, or its tokenizer gave none: "
+                              "see its start-up log); "
                               "allowed: boundary_trigger false. The engine's operator can give "
                               "sfi.boundary_token_ids", name)
 

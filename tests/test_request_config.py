@@ -136,9 +136,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     # Quest takes K in whole pages: a page larger than K would select nothing at every context
     ({"sfi_policy": "quest", "sfi_quest_page": 64, "sfi_selected_tokens": 32}, "vllm_xargs.sfi_quest_page",
      "quest_page (64) must be <= selected_tokens (32)"),
-    # with a fraction K is never below its floor: a page above the floor selects nothing there
-    ({"sfi_policy": "quest", "sfi_selected_fraction": 0.001, "sfi_quest_page": 4096}, "vllm_xargs.sfi_quest_page",
-     "quest_page (4096) must be <= selected_floor (64)"),
+    # with a fraction: a page above the largest K the fraction gives within max_model_len (1024)
+    ({"sfi_policy": "quest", "sfi_selected_fraction": 0.001, "sfi_selected_floor": 16, "sfi_quest_page": 32},
+     "vllm_xargs.sfi_quest_page", "quest_page (32) must be <= 16, the largest K that selected_fraction 0.001"),
     # over HTTP a JSON false reaches extra_args as 0: the message shows the value as the field reads it
     ({"sfi_side_stream": 0}, "vllm_xargs.sfi_side_stream", "request: False"),
     # null is no value: merged, it would take the class default (K = 2048) instead of the engine's
@@ -165,18 +165,27 @@ def test_bad_request_settings_name_the_field(extra, param, needle):
         assert "engine's value" not in str(info.value)
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"sfi_policy": "a" * 1_000_000}, "vllm_xargs.sfi_policy"),
-    ({"sfi_sinks": "9" * 5000}, "vllm_xargs.sfi_sinks"),
-    ({"sfi_" + "x" * 100_000: 1}, "vllm_xargs.sfi_" + "x" * 45 + "...(100015 characters)"),
+@pytest.mark.parametrize("extra, param, most", [  # most: 120 for a value, 2000 for the key's message
+    ({"sfi_policy": "a" * 1_000_000}, "vllm_xargs.sfi_policy", 120),
+    ({"sfi_policy": "a " * 100_000}, "vllm_xargs.sfi_policy", 120),  # spaces: cut where it is formatted
+    ({"sfi_sinks": "9" * 5000}, "vllm_xargs.sfi_sinks", 120),
+    ({"sfi": json.dumps({"sinks": "x" * 10_000})}, "vllm_xargs.sfi.sinks", 120),
+    ({"sfi_" + "x" * 100_000: 1}, "vllm_xargs.sfi_" + "x" * 45 + "...(100015 characters)", 2000),
 ])
-def test_an_error_repeats_a_long_input_only_in_part(extra, param):
-    """A megabyte-long value or key gets an answer of a few kilobytes at most that still names the
-    field (the key cut to its start and its length)."""
+def test_an_error_repeats_a_long_input_only_in_part(extra, param, most):
+    """A megabyte-long value or key gets a short answer that still names the field: a value cut to
+    its start and end, a key to its start and its length; the unknown key's message still lists
+    every allowed key whole."""
     with pytest.raises(SFIRequestError) as info:
         resolve_request_config(limits(), extra)
+    msg = str(info.value)
     assert info.value.param == param, info.value.param
-    assert len(str(info.value)) <= 2000 and param.split("...")[0] in str(info.value), len(str(info.value))
+    assert param.split("...")[0] in msg
+    if most == 120:  # the value as the message repeats it, after "got "
+        assert len(msg.split("got ", 1)[1]) <= 130, msg[:300]
+    else:
+        assert len(msg) < 2500, len(msg)
+        assert all(f"{k}," in msg or msg.endswith(k) for k in ("sfi_sinks", "sfi_policy", "sfi_reuse_budget"))
 
 
 def test_an_engines_config_refuses_booleans_for_numbers_and_non_finite_numbers():

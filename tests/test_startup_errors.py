@@ -117,6 +117,9 @@ def test_a_compact_budget_that_holds_no_set_is_refused_before_the_engine_starts(
     # found in the front end, not only in the engine's process (where it comes inside worker tracebacks)
     ("sfi", dict(additional_config={"sfi": {"stats_file": "/nonexistent-dir/stats.jsonl"}}),
      "sfi.stats_file: cannot append to '/nonexistent-dir/stats.jsonl'"),
+    # quest with a fraction: pages larger than any K the fraction gives within max_model_len (1024)
+    ("sfi", dict(additional_config={"sfi": {"policy": "quest", "selected_fraction": 0.001, "quest_page": 128}}),
+     "sfi.quest_page (128) must be <= 64, the largest K that selected_fraction 0.001 gives within max_model_len 1024"),
     # a directory is writable but cannot be appended to
     ("sfi", dict(additional_config={"sfi": {"stats_file": "/tmp"}}), "sfi.stats_file: cannot append to '/tmp'"),
 ])
@@ -601,3 +604,16 @@ def test_a_finished_batch_tries_no_output(tmp_path, capsys, monkeypatch):
     assert cli.main(["batch", str(inp), str(out), "--retry-errors"]) == 2
     assert "cannot write" in capsys.readouterr().err
     assert out.read_text() == '{"id": "a", "error": "E"}\n'  # left as it was
+
+
+def test_a_stats_file_must_be_a_file_this_process_can_append_to(tmp_path):
+    """What the front end's check of ``sfi.stats_file`` takes (the worker opens it for appending)."""
+    from sfi_vllm.patches.config_check import appendable
+
+    existing = tmp_path / "stats.jsonl"
+    existing.write_text("")
+    assert appendable(str(existing)) and appendable(str(tmp_path / "new.jsonl"))
+    assert not appendable(str(tmp_path))  # a directory
+    assert not appendable(str(existing / "stats.jsonl"))  # below a file
+    assert not appendable(str(tmp_path / "newdir") + "/")  # a directory's name
+    assert not appendable(str(tmp_path / "missing" / "stats.jsonl"))

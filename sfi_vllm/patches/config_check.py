@@ -68,6 +68,9 @@ def check_sfi_engine(vllm_config) -> None:
         if beyond:
             problems.append(f"sfi.boundary_token_ids: {beyond} are not token ids of this model (its vocabulary "
                             f"has {vocab}); they would never match")
+    problem = cfg.quest_page_problem(getattr(model_config, "max_model_len", None))
+    if problem:
+        problems.append(f"sfi.{problem}")
     cuda = current_platform.is_cuda_alike()
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "auto"
     if not kv_cache_in_model_dtype(cache_dtype, getattr(model_config, "dtype", None), cuda):
@@ -106,13 +109,14 @@ def check_sfi_engine(vllm_config) -> None:
 
 
 def appendable(path: str) -> bool:
-    """Whether this process can append to ``path``: a writable regular file (not a directory), or
-    a name not yet taken in a writable directory."""
-    if os.path.isdir(path):
+    """Whether this process can append to ``path``: a writable file that is not a directory, or a
+    new file name (no trailing separator) in a directory it can write to and enter."""
+    if os.path.isdir(path) or path.endswith((os.sep, "/")):
         return False
     if os.path.exists(path):
         return os.access(path, os.W_OK)
-    return os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
 
 
 def kv_cache_in_model_dtype(cache_dtype: str, model_dtype, cuda: bool) -> bool:
