@@ -82,7 +82,7 @@ def _refuse_bool_number(model: type[BaseModel], value: Any, info: ValidationInfo
     if isinstance(value, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in value):
         raise ValueError("expects a list of numbers, and this one holds a boolean")
     if isinstance(value, str) and "_" in value:  # lax mode would read Python's digit separators: "1_0" as 10
-        raise ValueError(f"expects a number, not the string {value!r} (digit separators are not read)")
+        raise ValueError(f"expects a number, not the string {echo(value)} (digit separators are not read)")
     return value
 
 
@@ -308,7 +308,8 @@ class Policy(_SettingsModel):
     )
     quest_page: int = Field(16, ge=1, le=4096,
                             description="page size of the quest policy; at most K (K is taken in whole pages; with "
-                            "selected_fraction, at most the K it gives at max_model_len)")
+                            "selected_fraction, at most the K it gives at max_model_len, and at contexts where "
+                            "K is below a page nothing is selected)")
     selected_tokens: int | None = Field(
         None, ge=0, le=1 << 20, description="selected long-range tokens per KV head (fixed K)"
     )
@@ -445,7 +446,7 @@ class Policy(_SettingsModel):
         return (f"quest_page ({self.quest_page}) must be <= {most}, the largest K that selected_fraction "
                 f"{self.selected_fraction} gives within max_model_len {max_context_len} (selected_floor "
                 f"{self.selected_floor}, selected_cap {self.selected_cap}): K is taken in whole pages, and no page "
-                "of that size fits at any context")
+                "of that size fits at any context; raise selected_fraction or selected_floor, or take smaller pages")
 
     def compact_capacity(self, max_context_len: int) -> int:
         """Tokens a compact set can hold: sinks + the largest K a context up to ``max_context_len``
@@ -670,7 +671,7 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
 
 def unknown_preset(field: str, name: Any) -> str:
     """The error text for a preset name that is not one of :data:`PRESETS`."""
-    text = f"{field}: unknown preset {name!r}; allowed: {', '.join(PRESETS)}"
+    text = f"{field}: unknown preset {echo(name)}; allowed: {', '.join(PRESETS)}"
     if isinstance(name, str) and name in REMOVED_PRESETS:
         text += f" ({name!r} was removed: {REMOVED_PRESETS[name]})"
     return text
@@ -690,8 +691,15 @@ _ECHO.maxstring = _ECHO.maxlong = _ECHO.maxother = ECHO_CHARS
 
 
 def echo(value: Any) -> str:
-    """``repr(value)`` for an error message, cut in the middle past :data:`ECHO_CHARS`."""
-    return _ECHO.repr(value)
+    """``repr(value)`` for an error message, at most about :data:`ECHO_CHARS` characters: its start
+    and end, the middle cut (containers item by item, then as a whole)."""
+    try:
+        text = _ECHO.repr(value)
+    except ValueError:  # an int too long to print (Python's limit on int-to-str digits)
+        return f"<{type(value).__name__} too long to print>"
+    if len(text) > ECHO_CHARS:
+        text = f"{text[:ECHO_CHARS // 2 - 2]} ... {text[-(ECHO_CHARS // 2 - 2):]}"
+    return text
 
 
 def _allowed_range(loc: tuple) -> str:
@@ -891,7 +899,7 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
             asked, theirs, field = getattr(asked, sub), getattr(theirs, sub), f"{field}.{sub}"
         where = f"sfi.{field} " if field != key else ""
         error = SFIConfigError(f"{name}: sfi.{key} is an engine-wide setting; a request cannot change it "
-                               f"({where}engine: {theirs!r}, request: {asked!r}); "
+                               f"({where}engine: {echo(theirs)}, request: {echo(asked)}); "
                                "set it in the engine's --additional-config")
         error.locs = [path]
         raise error

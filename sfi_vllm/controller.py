@@ -181,11 +181,11 @@ class SFIController:
         tokenizer also where the engine's boundary trigger is off, so that a request can turn it on
         (``EngineLimits.for_engine`` says the same to the front end); then a tokenizer that does not
         load or has no enders costs requests that option only (a warning), not the start-up. The
-        lossless mode runs no boundary trigger, so with its own off it takes none."""
+        lossless mode runs no boundary trigger (its drafter re-selects at verify steps): it takes none."""
         cfg = self.cfg
         if cfg.boundary_token_ids is not None:
             return BoundaryTokens(frozenset(cfg.boundary_token_ids), frozenset())
-        if cfg.mode == "lossless" and not cfg.boundary_trigger:
+        if cfg.mode == "lossless":
             return None
         model_config = vllm_config.model_config
         if getattr(model_config, "skip_tokenizer_init", False):

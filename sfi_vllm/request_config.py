@@ -183,7 +183,7 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKey(f"the key {key!r} is given twice")
+            raise _DuplicateKey(f"the key {echo(key)} is given twice")
         out[key] = value
     return out
 
@@ -397,8 +397,9 @@ def check_request_config(limits: EngineLimits, cfg: SFIConfig, names: Mapping[tu
                                   name)
     problem = cfg.quest_page_problem(limits.max_model_len)
     if problem:
-        name = (names.get(("quest_page",)) or names.get(("selected_fraction",)) or names.get(("policy",))
-                or names.get(("preset",)) or REQUEST_KEY)
+        name = next((names[f] for f in (("quest_page",), ("selected_fraction",), ("selected_floor",),
+                                        ("selected_cap",), ("policy",), ("preset",)) if f in names),
+                    names.get((), REQUEST_KEY))
         raise SFIRequestError(f"{name}: {problem}", name)
     # lossless mode runs no boundary trigger (its drafter re-selects at verify steps)
     if cfg.boundary_trigger and cfg.refreshes_selection and not limits.has_boundary and engine.mode != "lossless":
