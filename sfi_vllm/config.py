@@ -748,7 +748,8 @@ def _format_validation_error(err: ValidationError, field_names: Mapping[tuple, s
     lines: dict[tuple, str] = {}
     for e in err.errors():
         field = _field_loc(e["loc"])
-        loc = ".".join(str(p) for p in field) or "(config)"
+        loc = ".".join(str(p) if len(str(p)) <= ECHO_CHARS else f"{str(p)[:ECHO_CHARS // 2]}...({len(str(p))} "
+                       "characters)" for p in field) or "(config)"
         name = (field_names or {}).get(field) or f"sfi.{loc}"
         ctx = e.get("ctx") or {}
         rng = _allowed_range(field)

@@ -27,6 +27,7 @@ malformed value.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import reprlib
@@ -248,7 +249,10 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             if key in MOVED_FIELDS:
                 raise SFIRequestError(f"{name}.{key}: moved to sfi.{MOVED_FIELDS[key]}", f"{name}.{key}")
             if not isinstance(key, str) or key not in SFIConfig.model_fields:
-                raise SFIRequestError(f"{name}: unknown SFI setting {reprlib.repr(key)}; allowed: "
+                close = difflib.get_close_matches(key, list(SFIConfig.model_fields), n=1, cutoff=0.8) \
+                    if isinstance(key, str) else []
+                raise SFIRequestError(f"{name}: unknown SFI setting {reprlib.repr(key)}; "
+                                      + (f"did you mean {close[0]!r}? " if close else "") + "allowed: "
                                       f"{', '.join(SFIConfig.model_fields)}", f"{name}.{key}")
             if key in nested:
                 if isinstance(value, nested[key]):  # offline: the engine process receives plain data only
@@ -290,7 +294,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                      if group in REQUEST_FIXED_KEYS else ""),
                                   f"{where}.{key}")
         if path is None:
-            raise SFIRequestError(f"{where}.{key}: unknown SFI setting; allowed: {_allowed_keys_text()}, "
+            close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.8)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SFIRequestError(f"{where}.{key}: unknown SFI setting; {hint}allowed: {_allowed_keys_text()}, "
                                   f"and {REQUEST_KEY} (a JSON object)", f"{where}.{key}")
         put(path, value, f"{where}.{key}")
     for form, other in (("selected_tokens", "selected_fraction"), ("selected_fraction", "selected_tokens")):

@@ -254,3 +254,11 @@ def test_a_layer_gives_the_budget_in_one_form_over_the_other(tmp_path, monkeypat
     assert (cfg.selected_tokens, cfg.selected_fraction) == (None, 0.3)
     with pytest.raises(SFIConfigError, match="not both"):  # both forms in one layer contradict
         build_config({"selected_tokens": 512, "selected_fraction": 0.3})
+
+
+def test_a_long_unknown_key_is_cut_in_the_message():
+    for bad in ({"k" * 400: 1}, {"selector": {"k" * 400: 1}}):
+        with pytest.raises(SFIConfigError) as info:
+            build_config(bad, use_env=False)
+        assert "...(400 characters): Extra inputs are not permitted" in str(info.value)
+        assert len(str(info.value)) < 200, str(info.value)

@@ -336,3 +336,15 @@ def test_vllm_engine_matches_transformers(prepared_model, tmp_path):
     assert res["ids"][:4] == hf[:4], (res["ids"], hf)
     assert 2900 < res["long_prompt_tokens"] < 3100
     assert len(res["long_text"].split()) >= 5
+
+
+def test_a_cache_that_cannot_be_written_is_a_user_error_naming_its_source(tmp_path):
+    """A file given as the cache folder: exit 2 and one line naming the folder and --cache-dir."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.cli", "prepare-model", "--cache-dir", str(not_a_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"sfi-vllm prepare-model: cannot write the model cache {str(not_a_dir)!r} (--cache-dir): Not a directory; "
+        "choose a writable folder with --cache-dir or $SFI_VLLM_CACHE"], proc.stderr

@@ -70,6 +70,10 @@ def test_parse_native_and_openai_batch_lines():
      "x", "given twice (sfi and sampling.extra_args.sfi)"),
     # a misspelt SFI key in vllm_xargs is an error of the line, not passed on to extra_args
     ('{"custom_id": "y", "body": {"prompt": "a", "vllm_xargs": {"sfi.sinks": 2}}}', "y", "did you mean 'sfi_sinks'"),
+    ('{"custom_id": "y", "body": {"prompt": "a", "vllm_xargs": {"sfi_selectd_tokens": 2}}}', "y",
+     "did you mean 'sfi_selected_tokens'"),
+    # a run-batch line without its body: the body is named, not the run-batch fields beside it
+    ('{"custom_id": "y", "method": "POST", "url": "/v1/chat/completions"}', "y", "body: missing"),
 ])
 def test_parse_errors_name_the_line(text, rid, msg):
     with pytest.raises(LineError) as e:

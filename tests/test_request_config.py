@@ -125,6 +125,8 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     # the dotted form the docs use for fields, and other separators: refused, not ignored (the
     # request would otherwise run with the engine's settings)
     ({"sfi.selected_tokens": 512}, "vllm_xargs.sfi.selected_tokens", "did you mean 'sfi_selected_tokens'"),
+    ({"sfi_selectd_tokens": 512}, "vllm_xargs.sfi_selectd_tokens", "did you mean 'sfi_selected_tokens'"),
+    ({"sfi": '{"selectd_tokens": 512}'}, "vllm_xargs.sfi.selectd_tokens", "did you mean 'selected_tokens'"),
     ({"sfi-selector-alpha": 1}, "vllm_xargs.sfi-selector-alpha", "did you mean 'sfi_selector_alpha'"),
     ({"sfi ": '{"sinks": 2}'}, "vllm_xargs.sfi ", "did you mean 'sfi'"),
     ({"sfi_": "dense"}, "vllm_xargs.sfi_", "did you mean 'sfi'"),

