@@ -37,12 +37,16 @@ same number of splits, so in a batch of mostly fast rows (a few thousand keys ea
 fast row, each reading several times the keys, and the launch waits for them. With ``row_splits``
 each row takes its own count, at most the grid's ``num_splits``; the host gives each row a share of
 the launch's programs in proportion to the keys it reads (:func:`balanced_row_splits`), and the
-grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read no query,
-keys or values (only the row's table entries) and write only an empty log-sum-exp, which the merge
-skips. On an H100 (``benchmarks/mixed_rows_bench.py``, benchmarks/results/mixed-rows-h100.txt) a
-launch with one or two dense rows among fast rows took 0.34-0.55x the default rule's time, and a
-batch of one kind at most 4% more (the larger grid's idle programs); end to end the setting has a
-cost the kernel alone does not show (benchmarks/results/e2e-h100-balanced.md).
+grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read only the
+row's table entries and write only an empty log-sum-exp, which the merge skips: they leave before
+the body, which is one branch, so that the kernel compiled with row splits and score frames keeps
+the registers of the one without (it took 112-114 against 96 when the body was not a branch,
+and balanced launches of one kind of row were 1.06-1.42x slower on an H100, the likely cause of
+the setting's end-to-end cost: benchmarks/results/balanced-splits-kernel-h100.md,
+e2e-h100-balanced.md). Without row splits the branch's condition is a constant and that kernel
+compiles as before. On an H100 (``benchmarks/mixed_rows_bench.py --engine-launch``) a launch with
+one or two dense or scored rows among fast rows then took 0.30-0.54x the default rule's time at
+16 x 16K, 8 x 32K and 6 x 128K, and one of a single kind of row 1.00-1.04x.
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
@@ -208,91 +212,104 @@ def _fast_decode_split(
     lo = s * per
     hi = tl.minimum(lo + per, total)
 
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    gmask = offs_g < G
-    amask = offs_g < tl.where(active, G, 0)  # gmask, none for an idle program
-    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=amask[:, None], other=0.0)
-    if HAS_STAGE:  # a copy of every row's query for the per-step refresh (split 0 writes it)
-        if s == 0:
-            tl.store(STAGE + b * stride_stb + (h * G + offs_g)[:, None] * stride_sth + offs_d[None, :], q,
-                     mask=gmask[:, None])
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2
-    if HAS_SCORES:  # this row's frame in the fused scores (a negative base: not scored)
-        sc_base = tl.load(SC_BASE + b).to(tl.int64)
-        scored = sc_base >= 0
-        dense_scored = scored & (slot_raw < 0)  # scored from its window tiles
-        keys_scored = scored & (slot_raw >= 0)  # scored by a keys-only pass (_key_scores)
-        sc_tok = tl.maximum(sc_base, 0) + layer * tl.load(SC_STRIDE + b).to(tl.int64)
-        sc_w32 = tl.load(SC_WIDTH + b)
-        sc_w = sc_w32.to(tl.int64)
-        lg_row = LOGITS + sc_tok * (G * tl.num_programs(1)) + (h * G + offs_g).to(tl.int64)[:, None] * sc_w
-        nm_row = NORMS + sc_tok * tl.num_programs(1) + h * sc_w
+    # With row splits an idle program leaves at once, and the body as one branch keeps the
+    # kernel's registers at those of the kernel without row splits (module doc, "Balanced
+    # splits"). Without row splits every program runs the body (``run`` is a constant), so that
+    # kernel compiles as before (benchmarks/kernel_registers.py).
+    if HAS_ROW_SPLITS:
+        run = active
+    else:
+        run = True
+    if run:
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        gmask = offs_g < G
+        amask = offs_g < tl.where(active, G, 0)  # gmask, none for an idle program
+        q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=amask[:, None], other=0.0)
+        if HAS_STAGE:  # a copy of every row's query for the per-step refresh (split 0 writes it)
+            if s == 0:
+                tl.store(STAGE + b * stride_stb + (h * G + offs_g)[:, None] * stride_sth + offs_d[None, :], q,
+                         mask=gmask[:, None])
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        qk_scale = scale * 1.4426950408889634  # exp2
+        if HAS_SCORES:  # this row's frame in the fused scores (a negative base: not scored)
+            sc_base = tl.load(SC_BASE + b).to(tl.int64)
+            scored = sc_base >= 0
+            dense_scored = scored & (slot_raw < 0)  # scored from its window tiles
+            keys_scored = scored & (slot_raw >= 0)  # scored by a keys-only pass (_key_scores)
+            sc_tok = tl.maximum(sc_base, 0) + layer * tl.load(SC_STRIDE + b).to(tl.int64)
+            sc_w32 = tl.load(SC_WIDTH + b)
+            sc_w = sc_w32.to(tl.int64)
+            lg_row = LOGITS + sc_tok * (G * tl.num_programs(1)) + (h * G + offs_g).to(tl.int64)[:, None] * sc_w
+            nm_row = NORMS + sc_tok * tl.num_programs(1) + h * sc_w
 
-    # 1) the compact buffer: virtual keys [lo, min(hi, nc))
-    c_hi = tl.minimum(hi, nc)
-    ck_base = CK + slot * stride_cks + h * stride_ckh
-    cv_base = CV + slot * stride_cvs + h * stride_cvh
-    for start in range(lo, c_hi, BLOCK_N):
-        n = start + offs_n
-        nmask = n < c_hi
-        k = tl.load(ck_base + n[:, None] * stride_ckn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(cv_base + n[:, None] * stride_cvn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        # 1) the compact buffer: virtual keys [lo, min(hi, nc))
+        c_hi = tl.minimum(hi, nc)
+        ck_base = CK + slot * stride_cks + h * stride_ckh
+        cv_base = CV + slot * stride_cvs + h * stride_cvh
+        for start in range(lo, c_hi, BLOCK_N):
+            n = start + offs_n
+            nmask = n < c_hi
+            k = tl.load(ck_base + n[:, None] * stride_ckn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            v = tl.load(cv_base + n[:, None] * stride_cvn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
 
-    # 2) the recent window, read in place: virtual keys [max(lo, nc), hi) -> ws + (j - nc)
-    if not HAS_SCORES:  # placeholders: the loop without stores never reads them
-        lg_row = LOGITS + offs_g[:, None]
-        nm_row = NORMS
-        dense_scored = False
-    if WIDE_N > 0:
-        if wide:  # a long unscored dense row: wider tiles (module doc, "Wide tiles")
-            m_i, l_i, acc = _window_tiles(
-                q, m_i, l_i, acc, lo, hi, 0, 0, b, h, BT, KC, VC, stride_btb,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
-                gmask, qk_scale, tl.arange(0, WIDE_N), offs_d, WIDE_N, PAGE, False)
+        # 2) the recent window, read in place: virtual keys [max(lo, nc), hi) -> ws + (j - nc)
+        if not HAS_SCORES:  # placeholders: the loop without stores never reads them
+            lg_row = LOGITS + offs_g[:, None]
+            nm_row = NORMS
+            dense_scored = False
+        if WIDE_N > 0:
+            if wide:  # a long unscored dense row: wider tiles (module doc, "Wide tiles")
+                m_i, l_i, acc = _window_tiles(
+                    q, m_i, l_i, acc, lo, hi, 0, 0, b, h, BT, KC, VC, stride_btb,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                    gmask, qk_scale, tl.arange(0, WIDE_N), offs_d, WIDE_N, PAGE, False)
+            else:
+                m_i, l_i, acc = _window_part(
+                    q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
+                    gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N, PAGE, HAS_SCORES)
         else:
             m_i, l_i, acc = _window_part(
                 q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
                 gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N, PAGE, HAS_SCORES)
-    else:
-        m_i, l_i, acc = _window_part(
-            q, m_i, l_i, acc, lo, hi, nc, ws, b, h, BT, KC, VC, stride_btb,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, lg_row, nm_row,
-            gmask, qk_scale, offs_n, offs_d, dense_scored, BLOCK_N, PAGE, HAS_SCORES)
 
-    if HAS_SCORES:
-        if keys_scored:
-            _key_scores(q, s, splits, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row,
-                        nm_row, gmask, qk_scale, offs_n, offs_d, BLOCK_N, KEY_BLOCK, PAGE)
-        if scored & (s == splits - 1):  # the frame past the row's keys
-            for start in range(seq, sc_w32, BLOCK_N):
-                n = start + offs_n
-                tmask = n < sc_w
-                tl.store(lg_row + n[None, :], tl.full([G_PAD, BLOCK_N], float("-inf"), tl.float32),
-                         mask=gmask[:, None] & tmask[None, :])
-                tl.store(nm_row + n, tl.zeros([BLOCK_N], tl.float32), mask=tmask)
+        if HAS_SCORES:
+            if keys_scored:
+                _key_scores(q, s, splits, seq, b, h, BT, KC, stride_btb, stride_kb, stride_kt, stride_kh, lg_row,
+                            nm_row, gmask, qk_scale, offs_n, offs_d, BLOCK_N, KEY_BLOCK, PAGE)
+            if scored & (s == splits - 1):  # the frame past the row's keys
+                for start in range(seq, sc_w32, BLOCK_N):
+                    n = start + offs_n
+                    tmask = n < sc_w
+                    tl.store(lg_row + n[None, :], tl.full([G_PAD, BLOCK_N], float("-inf"), tl.float32),
+                             mask=gmask[:, None] & tmask[None, :])
+                    tl.store(nm_row + n, tl.zeros([BLOCK_N], tl.float32), mask=tmask)
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    heads = h * G + offs_g
-    tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
-             mask=amask[:, None])
-    tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        heads = h * G + offs_g
+        tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + offs_d[None, :], out,
+                 mask=amask[:, None])
+        tl.store(LSE + b * stride_lb + heads * stride_lh + s, lse, mask=gmask)
+    else:  # an idle program: no loads, only its empty log-sum-exp, which the merge skips
+        offs_g = tl.arange(0, G_PAD)
+        tl.store(LSE + b * stride_lb + (h * G + offs_g) * stride_lh + s,
+                 tl.full([G_PAD], float("-inf"), tl.float32), mask=offs_g < G)
 
 
 @triton.jit
