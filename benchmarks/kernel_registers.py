@@ -1,10 +1,12 @@
 """Registers and spills of the fast-step split kernel, compiled without a GPU.
 
-Compiles ``_fast_decode_split`` (kernels/fast_decode.py) for an sm_90a target with the Triton on
-``sys.path``, with the 16-byte divisibility hints the engine's launches get on pointers and
-strides, and assembles the PTX with the ``ptxas`` bundled with that Triton (``ptxas -v``). One line
-per variant: with or without per-row split counts (``row_splits``, balanced splits) and score
-frames (``scores``), the engine's slot map and query staging on. A program's registers set how many
+Compiles ``_fast_decode_split`` (kernels/fast_decode.py, which imports torch) for an sm_90a target
+with the Triton on ``sys.path``, with the divisibility hints the engine's launches get (16-byte
+aligned pointers; strides divisible by 16, the log-sum-exp's split stride only where the split
+count is), and assembles the PTX with the ``ptxas`` bundled with that Triton (``ptxas -v``). One
+shape: bf16, 32 query / 8 KV heads, head size 128, 16-token pages, 32-key tiles, 4 warps, the
+engine's slot map and query staging on, no wide tiles. One line per variant: with or without
+per-row split counts (``row_splits``, balanced splits) and score frames (``scores``). A program's registers set how many
 programs an SM holds (65,536 registers, 128 threads a program at 4 warps), which set a launch's
 speed (benchmarks/results/balanced-splits-kernel-h100.md). ``--ptx-dir`` keeps each variant's PTX,
 to compare two versions of the kernel instruction by instruction.
@@ -55,8 +57,10 @@ def compile_variant(fn, constants: dict, ptx_path: Path) -> str:
             sig[n] = "*i32"
         else:
             sig[n] = "i32"
-    # the block table's row stride and the ints the kernel does not specialize get no hint
-    hinted = [n for n in names if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_btb")]
+    # the block table's row stride gets no hint (the kernel does not specialize it); the LSE's
+    # stride between query heads is the split count
+    unhinted = {"stride_btb"} | ({"stride_lh"} if constants["NUM_SPLITS"] % 16 else set())
+    hinted = [n for n in names if sig[n].startswith("*") or (n.startswith("stride_") and n not in unhinted)]
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constants.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
@@ -76,14 +80,19 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=16, help="the launch's split count (NUM_SPLITS)")
     ap.add_argument("--ptx-dir", type=Path, help="keep each variant's PTX here")
     args = ap.parse_args()
-    out_dir = args.ptx_dir or Path(tempfile.mkdtemp(prefix="sfi-ptx-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sfi-ptx-") as tmp:
+        out_dir = args.ptx_dir or Path(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        report(args.splits, out_dir)
+
+
+def report(splits: int, out_dir: Path) -> None:
     fn = split_kernel()
     print(f"Triton {triton.__version__}, sm_90a, 32 query / 8 KV heads, head size 128, bf16, "
-          f"{args.splits} splits, slot map and query staging on", flush=True)
+          f"{splits} splits, slot map and query staging on", flush=True)
     for row_splits in (False, True):
         for scores in (False, True):
-            constants = dict(G=4, G_PAD=16, D=128, BLOCK_N=32, PAGE=16, NUM_SPLITS=args.splits, HAS_MAP=True,
+            constants = dict(G=4, G_PAD=16, D=128, BLOCK_N=32, PAGE=16, NUM_SPLITS=splits, HAS_MAP=True,
                              HAS_STAGE=True, HAS_SCORES=scores, KEY_BLOCK=32, WIDE_N=0, HAS_ROW_SPLITS=row_splits)
             ptx = out_dir / f"split-rows{int(row_splits)}-scores{int(scores)}.ptx"
             print(f"row_splits={row_splits!s:5} scores={scores!s:5}: {compile_variant(fn, constants, ptx)}", flush=True)

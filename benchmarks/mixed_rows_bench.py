@@ -1,14 +1,17 @@
 """The fast-step kernel on batches that mix fast and dense rows, with every row cut into the same
 number of splits (the default) and with balanced splits (``experimental.balanced_splits``: each
 row its share of the launch's programs, in proportion to its keys). One uniform launch under a CUDA
-graph per case, at four decode points: every row fast (the default's 2,308-token working set),
+graph per case, at four decode points by default (``--points``): every row fast (the default's 2,308-token working set),
 one or two rows dense at the full context among fast rows (a slow row, a bridge row, a pool-full
 fallback), and every row dense. Prints the time of both rules, their ratio, the bytes each case
 reads over the time, and the largest difference between the two outputs. ``--engine-launch``
 launches as the engine's CUDA backend does with its default settings: with a slot map
 (double-buffered sets), the query staged for the per-step refresh, and fused score frames, and
 adds two cases: one or two fast rows scored over their whole context (keys-only slow rows, whose
-score pass reads every key of the context). Needs only torch and Triton (a CUDA GPU).
+score pass reads every key of the context; the two rules' attention outputs are compared, not
+their scores). ``--extras`` passes only some of those arguments. Each compiled variant's registers
+and spills are printed as Triton reports them (spills in 4-byte words). Needs only torch and
+Triton (a CUDA GPU).
 
     python3 benchmarks/mixed_rows_bench.py [--engine-launch [--extras slot_map,stage,scores]] [--points 16x16384,...]
 """
@@ -109,17 +112,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine-launch", action="store_true",
                     help="launch with the engine's slot map, query staging and score frames")
-    ap.add_argument("--extras", default=",".join(EXTRAS),
-                    help="with --engine-launch, which of the engine's launch arguments to pass (comma-separated)")
+    ap.add_argument("--extras", default=None,
+                    help="with --engine-launch, which of the engine's launch arguments to pass, comma-separated "
+                         f"among {','.join(EXTRAS)} (default: all three; '' for none)")
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS), help="BxC,...")
     args = ap.parse_args()
-    keep = tuple(e for e in args.extras.split(",") if e)
+    if args.extras is not None and not args.engine_launch:
+        ap.error("--extras needs --engine-launch")
+    keep = EXTRAS if args.extras is None else tuple(e for e in args.extras.split(",") if e)
     if not set(keep) <= set(EXTRAS):
         ap.error(f"--extras: choose among {', '.join(EXTRAS)}")
     props = torch.cuda.get_device_properties(0)
     print(f"torch {torch.__version__}, {props.name}, {props.multi_processor_count} SMs; "
           f"window {WINDOW}, working set {WORKING_SET}, engine launch {args.engine_launch}"
-          f"{' ' + ','.join(keep) if args.engine_launch else ''}", flush=True)
+          f"{' (' + ','.join(keep) + ')' if args.engine_launch else ''}", flush=True)
     for batch, context in (map(int, p.split("x")) for p in args.points.split(",")):
         point(batch, context, args.engine_launch, keep)
         torch.cuda.empty_cache()

@@ -38,15 +38,16 @@ fast row, each reading several times the keys, and the launch waits for them. Wi
 each row takes its own count, at most the grid's ``num_splits``; the host gives each row a share of
 the launch's programs in proportion to the keys it reads (:func:`balanced_row_splits`), and the
 grid is made larger (:func:`balanced_num_splits`). The programs past a row's count read only the
-row's table entries and write only an empty log-sum-exp, which the merge skips: they leave before
-the body, which is one branch, so that the kernel compiled with row splits and score frames keeps
-the registers of the one without (it took 112-114 against 96 when the body was not a branch,
-and balanced launches of one kind of row were 1.06-1.42x slower on an H100, the likely cause of
-the setting's end-to-end cost: benchmarks/results/balanced-splits-kernel-h100.md,
-e2e-h100-balanced.md). Without row splits the branch's condition is a constant and that kernel
-compiles as before. On an H100 (``benchmarks/mixed_rows_bench.py --engine-launch``) a launch with
-one or two dense or scored rows among fast rows then took 0.30-0.54x the default rule's time at
-16 x 16K, 8 x 32K and 6 x 128K, and one of a single kind of row 1.00-1.04x.
+row's table entries and write only an empty log-sum-exp, which the merge skips. They skip the
+body, which is one branch: compiled with row splits and score frames, a body outside a branch
+takes 112-114 registers instead of 96 (one program fewer per SM), and launches of one kind of row
+were 1.06-1.42x slower at 16 x 16K and 8 x 32K on an H100, the likely cause of the setting's
+end-to-end cost (benchmarks/results/balanced-splits-kernel-h100.md, e2e-h100-balanced.md). In the
+branch the kernel keeps 96 registers (4 bytes of spill stores). Without row splits the branch's
+condition is a constant and folds away. On an H100 (``benchmarks/mixed_rows_bench.py
+--engine-launch``, a kernel with these instructions) a launch with one or two dense or scored rows
+among fast rows takes 0.30-0.54x the default rule's time at 16 x 16K, 8 x 32K and 6 x 128K, and
+one of a single kind of row 1.00-1.04x; not measured end to end.
 
 Flash-decoding style: grid ``(rows, kv_heads, splits)``. Each program takes the GQA group of one
 KV head (its query heads padded to 16 rows for ``tl.dot``) over one slice of the row's virtual key
@@ -214,8 +215,8 @@ def _fast_decode_split(
 
     # With row splits an idle program leaves at once, and the body as one branch keeps the
     # kernel's registers at those of the kernel without row splits (module doc, "Balanced
-    # splits"). Without row splits every program runs the body (``run`` is a constant), so that
-    # kernel compiles as before (benchmarks/kernel_registers.py).
+    # splits"). Without row splits every program runs the body: ``run`` is a constant and the
+    # branch folds away (benchmarks/kernel_registers.py compares the instructions).
     if HAS_ROW_SPLITS:
         run = active
     else:
@@ -225,7 +226,7 @@ def _fast_decode_split(
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
         gmask = offs_g < G
-        amask = offs_g < tl.where(active, G, 0)  # gmask, none for an idle program
+        amask = offs_g < tl.where(active, G, 0)  # gmask: every program that gets here is active
         q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                     mask=amask[:, None], other=0.0)
         if HAS_STAGE:  # a copy of every row's query for the per-step refresh (split 0 writes it)

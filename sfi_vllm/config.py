@@ -195,8 +195,8 @@ class ExperimentalConfig(_StrictNumbers):
             "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs; "
             "its grid is larger (idle programs included). H100, 16 x 16K: 1.79-1.80x dense against 1.39x with 2 "
             "of 16 rows dense, but 2.24-2.26x against 2.47x with every row fast, and a p99 ITL 4 ms higher in "
-            "both; the kernel then compiled to more registers, which it no longer does (not re-run end to end; "
-            "docs/settings.md). "
+            "both, measured with a kernel that took more registers than the present one (not run end to end "
+            "with it; docs/settings.md). "
             "Not with one_wave_splits"
         ),
     )

@@ -59,7 +59,10 @@ def check_fast_decode(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, 
         work = make_workspace(B, hq, d, ns, device)
         per_row = None
         if row_splits is not None:
+            # partial outputs and log-sum-exps: an idle split must write its empty LSE (the merge
+            # reads every split's), and its partial output is never read
             work[0].fill_(float("nan"))
+            work[1].fill_(float("nan"))
             per_row = torch.tensor(row_splits, dtype=torch.int32, device=device)
         fast_decode_attention(q, ck, cv, kc, vc, bt, row_slot, row_min_ws, sl,
                               nc_by_slot.to(device), ws_by_slot.to(device), scale, ns, out=out,
