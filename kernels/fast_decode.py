@@ -41,7 +41,7 @@ grid is made larger (:func:`balanced_num_splits`). The programs past a row's cou
 row's table entries and write only an empty log-sum-exp, which the merge skips. They skip the
 body, which is one branch: compiled with row splits and score frames, a body outside a branch
 takes 112-114 registers instead of 96 (one program fewer per SM), and launches of one kind of row
-were 1.06-1.42x slower at 16 x 16K and 8 x 32K on an H100, the likely cause of the setting's
+took 1.04-1.42x the default rule's time at 16 x 16K and 8 x 32K on an H100, the likely cause of the setting's
 end-to-end cost (benchmarks/results/balanced-splits-kernel-h100.md, e2e-h100-balanced.md). In the
 branch the kernel keeps 96 registers (4 bytes of spill stores). Without row splits the branch's
 condition is a constant and folds away. On an H100 (``benchmarks/mixed_rows_bench.py
@@ -213,10 +213,10 @@ def _fast_decode_split(
     lo = s * per
     hi = tl.minimum(lo + per, total)
 
-    # With row splits an idle program leaves at once, and the body as one branch keeps the
+    # With row splits an idle program skips the body, and the body as one branch keeps the
     # kernel's registers at those of the kernel without row splits (module doc, "Balanced
     # splits"). Without row splits every program runs the body: ``run`` is a constant and the
-    # branch folds away (benchmarks/kernel_registers.py compares the instructions).
+    # branch folds away (benchmarks/kernel_registers.py keeps the PTX to compare the instructions).
     if HAS_ROW_SPLITS:
         run = active
     else:
