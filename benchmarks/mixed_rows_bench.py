@@ -1,6 +1,6 @@
 """The fast-step kernel on batches that mix fast and dense rows, with every row cut into the same
-number of splits (the default) and with balanced splits (``experimental.balanced_splits``: each
-row its share of the launch's programs, in proportion to its keys). One uniform launch under a CUDA
+number of splits (``sfi.balanced_splits: false``) and with balanced splits (``balanced_splits``,
+the engine's default: each row its share of the launch's programs, in proportion to its keys). One uniform launch under a CUDA
 graph per case, at four decode points by default (``--points``): every row fast (the default's 2,308-token working set),
 one or two rows dense at the full context among fast rows (a slow row, a bridge row, a pool-full
 fallback), and every row dense. Prints the time of both rules, their ratio, the bytes each case

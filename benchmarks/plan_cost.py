@@ -7,7 +7,7 @@ preset, the lagged token reader that a GPU engine uses, a one-token boundary voc
 steady decode steps, every row past its first selection, as vLLM's model runner would call it
 before each forward pass. Prints the mean per step over 300 steps (after 100 warm-up steps) per
 batch size; ``--profile B`` adds cProfile's top functions at batch B; ``--balanced-splits`` also
-makes each step's split table of ``experimental.balanced_splits`` (8 KV heads, as the CUDA
+makes each step's split table of ``balanced_splits`` (8 KV heads, as the CUDA
 metadata builder does for a uniform step). Under vLLM's async
 scheduling this host time overlaps the previous step's device time; where it is longer (small
 models, large batches) it sets the step.
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profile", type=int, default=None, metavar="B", help="cProfile the steps at batch B")
     ap.add_argument("--balanced-splits", action="store_true",
-                    help="also make each step's split table of experimental.balanced_splits")
+                    help="also make each step's split table of balanced_splits")
     args = ap.parse_args()
     for batch in map(int, args.batches.split(",")):
         step = planner(batch, args.balanced_splits)

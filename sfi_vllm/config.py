@@ -105,13 +105,6 @@ class ExperimentalConfig(_StrictNumbers):
     def _promoted_fields(cls, data: Any) -> Any:
         return _refuse_moved(data, PROMOTED_FIELDS, "sfi.experimental.", "sfi.")
 
-    @model_validator(mode="after")
-    def _one_split_rule(self) -> "ExperimentalConfig":
-        if self.balanced_splits and self.one_wave_splits:
-            raise ValueError("sfi.experimental: balanced_splits and one_wave_splits are two rules for the "
-                             "same split counts; set one of them")
-        return self
-
     selector_top_k: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description=(
@@ -183,21 +176,8 @@ class ExperimentalConfig(_StrictNumbers):
             "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
             "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
             "second wave. In the kernel alone on an H100 it was slower than the default at 16 x 16K and 8 x "
-            "32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md)"
-        ),
-    )
-    balanced_splits: bool = Field(
-        False,
-        description=(
-            "GPU kernel path, uniform decode launches (one token per row): each row of the fast-step "
-            "kernel takes a share of the launch's programs in proportion to the keys it reads, instead "
-            "of every row the same split count, so that a dense row among fast rows (a slow row, a "
-            "bridge row, a pool-full fallback) does not leave the launch waiting on a few long programs; "
-            "its grid is larger (idle programs included). H100, 16 x 16K: 1.79-1.80x dense against 1.39x with 2 "
-            "of 16 rows dense, but 2.24-2.26x against 2.47x with every row fast, and a p99 ITL 4 ms higher in "
-            "both, measured with a kernel that took more registers than the present one (not run end to end "
-            "with it; docs/settings.md). "
-            "Not with one_wave_splits"
+            "32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md). "
+            "Needs balanced_splits false"
         ),
     )
     synthetic_acceptance: bool = Field(
@@ -212,7 +192,7 @@ class ExperimentalConfig(_StrictNumbers):
 # top-level fields that moved into a nested model: their new place
 MOVED_FIELDS = {"selector_top_k": "experimental.selector_top_k"}
 # experimental fields that became settings: their new place
-PROMOTED_FIELDS = {"drafter_graphs": "drafter_graphs"}
+PROMOTED_FIELDS = {"drafter_graphs": "drafter_graphs", "balanced_splits": "balanced_splits"}
 
 
 class SelectorConfig(_StrictNumbers):
@@ -567,6 +547,18 @@ class EngineSettings(_SettingsModel):
             "with its own entries, as vLLM's draft_model method keeps (docs/lossless.md)"
         ),
     )
+    balanced_splits: bool = Field(
+        True,
+        description=(
+            "GPU kernel path, uniform decode launches (one token per row): each row of the fast-step "
+            "kernel takes a share of the launch's programs in proportion to the keys it reads, so that "
+            "a dense row among fast rows (a request in its dense bridge, a pool-full fallback) does not "
+            "leave the launch waiting on a few long programs; false: every row the same split count. "
+            "End to end on an H100 at 16 x 16K: 2.03-2.04x dense against 1.40-1.41x with 2 of 16 rows "
+            "dense, level (within 1%) where every row is fast, at 16 x 16K and 8 x 32K; the H200 and "
+            "batches over 16 rows not measured (docs/settings.md)"
+        ),
+    )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)
     compact_memory_gib: float | None = Field(
         None, gt=0.0, le=1 << 20,
@@ -603,6 +595,9 @@ class SFIConfig(EngineSettings, Policy):
         if self.slow_in_graph is True and (self.slow_refresh == "per_layer" or self.interleaved_refresh_applies):
             raise ValueError("slow_in_graph needs the per-step refresh (slow_refresh per_step or auto) "
                              "and, in the lossy mode, no layer_interleaved_refresh")
+        if self.balanced_splits and self.experimental.one_wave_splits:
+            raise ValueError("experimental.one_wave_splits needs balanced_splits false: they are two rules "
+                             "for the same split counts, and balanced_splits is on by default")
         if self.refresh_overlap and (not self.side_stream or self.mode != "lossy"):
             raise ValueError("refresh_overlap needs side_stream on and mode lossy (a lossless drafter's "
                              "next pass reads the selection its first pass makes)")

@@ -1,4 +1,4 @@
-"""``experimental.balanced_splits``: each row's split count of a uniform fast-step launch, from the
+"""``balanced_splits`` (on by default): each row's split count of a uniform fast-step launch, from the
 host's plan (the kernel itself against its reference: tests/kernels/test_fast_decode.py)."""
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def test_fraction_budget_with_floor_and_cap():
         ({"fused_scores_tokens": "max"}, "sfi.fused_scores_tokens"),
         ({"experimental": {"selector_top_k": "cub"}}, "sfi.experimental.selector_top_k"),
         ({"selector_top_k": "triton"}, "sfi.selector_top_k moved to sfi.experimental.selector_top_k"),
-        ({"experimental": {"balanced_splits": True, "one_wave_splits": True}},
-         "balanced_splits and one_wave_splits are two rules"),
+        ({"experimental": {"one_wave_splits": True}}, "experimental.one_wave_splits needs balanced_splits false"),
+        ({"experimental": {"balanced_splits": False}}, "experimental.balanced_splits moved to sfi.balanced_splits"),
         ({"boundary_token_ids": [13, -1]}, "token ids are 0 or more; got [13, -1]"),
         # a number too large for an integer is not called a string (pydantic's own wording)
         ({"selected_tokens": 1e30}, "sfi.selected_tokens: Input should be an integer (allowed: 0 <= value"),
@@ -181,7 +181,7 @@ def test_speed_preset_is_the_measured_benchmark_setting():
 
 ENGINE_FIELDS = ("mode", "newline_is_boundary", "boundary_token_ids", "boundary_read", "kernels", "side_stream",
                  "refresh_overlap",
-                 "slow_refresh", "slow_in_graph", "fused_scores_tokens", "drafter_graphs", "drafter_kv", "experimental", "compact_memory_gib",
+                 "slow_refresh", "slow_in_graph", "fused_scores_tokens", "drafter_graphs", "drafter_kv", "balanced_splits", "experimental", "compact_memory_gib",
                  "stats_file")
 
 

@@ -290,12 +290,23 @@ def test_fused_scores_lay_out_each_group_of_slow_rows_or_count_a_miss():
 
     from sfi_vllm.backends.common import uniform_tables
 
-    persistent = torch.full((5, 4), 7, dtype=torch.int32)
+    from sfi_vllm.backends.common import balanced_split_table, row_keys, uniform_table_rows
+    from sfi_vllm.kernels.fast_decode import balanced_row_splits
+
+    assert ctl.cfg.balanced_splits and uniform_table_rows(True, True) == 6  # the default: split counts last
+    persistent = torch.full((6, 4), 7, dtype=torch.int32)
     cam = SimpleNamespace(num_reqs=2, seq_lens=torch.tensor([1001, 2501]), block_table_tensor=torch.zeros(2, 1))
-    tables = uniform_tables(p, cam, persistent, ctl)
-    assert persistent.tolist() == [[-1, -1, 7, 7], [0, 0, 7, 7], [0, 4096, -1, -1], [8192, 8192, 0, 0],
-                                   [4096, 4096, 0, 0]]
+    tables = uniform_tables(p, cam, persistent, ctl, hkv)
+    # both rows slow with dense attention (no set yet): each reads its whole context; 528 programs
+    # over 3,502 keys x 2 KV heads make 32-key programs (one tile), at most 64 a row
+    assert row_keys(p, [True, True]) == [1001, 2501]
+    assert balanced_row_splits([1001, 2501], hkv) == [32, 64]
+    assert persistent[5].tolist() == [32, 64, 1, 1]  # padding rows: 1
+    assert persistent[:5].tolist() == [[-1, -1, 7, 7], [0, 0, 7, 7], [0, 4096, -1, -1], [8192, 8192, 0, 0],
+                                       [4096, 4096, 0, 0]]
     assert tables.scores is not None and tables.scores[0].data_ptr() == persistent[2].data_ptr()
+    assert tables.splits is not None and tables.splits.data_ptr() == persistent[5].data_ptr()
+    assert balanced_split_table(p, 2, 4, hkv, [True, True]).tolist() == persistent[5].tolist()
     # d and e (1001 and 4201 tokens) need two frames of 6144 tokens: more than the buffers hold,
     # so the step scores them in a second pass, and the miss is counted
     p = ctl.plan_step(["d", "e"], np.array([1, 1]), np.array([1000, 4200]), [1000, 4200], torch.tensor([1, 1]))

@@ -88,7 +88,7 @@ class FastRows:
     padding: torch.Tensor | None = None
     # fused slow-step scores (uniform steps): per row frame base, layer stride and width (int32)
     scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # balanced splits (uniform steps, ``experimental.balanced_splits``): each row's split count
+    # balanced splits (uniform steps, ``balanced_splits``): each row's split count
     splits: torch.Tensor | None = None
 
 
@@ -260,7 +260,7 @@ def row_keys(plan: StepPlan, scored: list[bool] | None = None) -> list[int]:
 
 def balanced_split_table(plan: StepPlan | None, rows: int, width: int, kv_heads: int,
                          scored: list[bool] | None = None) -> torch.Tensor:
-    """``(width,)`` int32 host table of each row's split count (``experimental.balanced_splits``,
+    """``(width,)`` int32 host table of each row's split count (``balanced_splits``,
     :func:`sfi_vllm.kernels.fast_decode.balanced_row_splits` over :func:`row_keys`); rows past
     ``rows`` (CUDA-graph padding) take 1. Without a plan's contexts every row takes the default
     count (:func:`~sfi_vllm.kernels.fast_decode.uniform_num_splits`). Where the launch's grid has
@@ -283,13 +283,13 @@ def uniform_tables(plan: StepPlan | None, cam: Any, persistent: torch.Tensor,
     """Tables of a uniform step (every row one decode token) for all ``cam.num_reqs`` rows,
     written into ``persistent`` (:func:`uniform_table_rows` rows by ``max_rows``) so that a
     captured CUDA graph reads this step's: with fused scores their frames (``FastRows.scores``),
-    with ``experimental.balanced_splits`` each row's split count for ``kv_heads`` KV heads
+    with ``balanced_splits`` each row's split count for ``kv_heads`` KV heads
     (``FastRows.splits``, written at every step, so that a graph captured with them reads them)."""
     from sfi_vllm.backends.step_refresh import score_row_tables
 
     n = cam.num_reqs
     copy_to_device(persistent[:2, :n], fast_row_tables(plan, list(range(n))))
-    balanced = controller.cfg.experimental.balanced_splits
+    balanced = controller.cfg.balanced_splits
     fused = persistent.shape[0] == uniform_table_rows(True, balanced)
     if persistent.shape[0] != uniform_table_rows(fused, balanced):
         raise RuntimeError(f"sfi-vllm: {persistent.shape[0]} persistent row tables, not the layout of "

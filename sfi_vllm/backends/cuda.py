@@ -152,7 +152,7 @@ class SFIFlashMetadataBuilder(SFIBuilderMixin, FlashAttentionMetadataBuilder):
         # base, layer stride and width, and with balanced splits each row's split count
         executor = self.controller.executor
         tables = uniform_table_rows(executor is not None and executor.fused_scores is not None,
-                                    self.controller.cfg.experimental.balanced_splits)
+                                    self.controller.cfg.balanced_splits)
         self._row_tables = torch.zeros(tables, rows, dtype=torch.int32, device=device)
         self._kv_heads = int(kv_cache_spec.num_kv_heads)
         # sfi.drafter_graphs: the drafter's lengths at a fixed address (vLLM makes them anew
@@ -244,7 +244,7 @@ class SFIFlashImpl(SFIImplMixin, FlashAttentionImpl):
             # one float32 scratch for the uniform fast path's partial outputs, shared by all layers
             # (they run one after another on one stream); allocated here so profiling counts it
             numel = uniform_workspace_numel(max_uniform_rows(vllm_config), self.num_heads, num_kv_heads, head_size,
-                                            balanced=cfg.experimental.balanced_splits)
+                                            balanced=cfg.balanced_splits)
             executor.fast_workspace = torch.empty(numel, dtype=torch.float32,
                                                   device=torch.device("cuda", torch.cuda.current_device()))
             logger.info_once("sfi-vllm: fast-step workspace %.1f MiB", numel * 4 / 2**20)

@@ -124,7 +124,7 @@ def check_packed_layer(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     assert ((wide_out[: n - 1] - out[: n - 1]).norm() / out[: n - 1].norm()).item() < 1e-3, "wide: fast rows"
     assert ((wide_out[n - 1] - dense).norm() / dense.norm()).item() < 2e-2, "wide: dense row"
     assert torch.all(wide_out[n] == 0), "wide: padding row"
-    # sfi.experimental.balanced_splits: each row its share of a larger grid, the dense row most of it
+    # sfi.balanced_splits: each row its share of a larger grid, the dense row most of it
     from sfi_vllm.backends.common import row_keys
 
     fast.wide_dense_from = 0
@@ -216,7 +216,7 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the second step on the slow rows attend through the sets they have (against the reference
     layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
     (``keys_in_kernel``: by the fast-step kernel's keys-only pass). ``chunk_bytes``: the refresh's
-    logits budget (1: one layer per Selector call). ``balanced``: ``experimental.balanced_splits``."""
+    logits budget (1: one layer per Selector call). ``balanced``: ``balanced_splits``."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_table_rows, uniform_tables
     from sfi_vllm.backends.selection import SlowStepSelection
@@ -236,9 +236,9 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     (ref_ctl, ctl), stacks = refresh_stacks([with_top_k({**base, "slow_refresh": "per_layer"}, "torch"),
                                              {**base, "slow_refresh": "per_step", "slow_in_graph": True,
                                               "fused_scores_tokens": tokens,
+                                              "balanced_splits": balanced,
                                               "experimental": {"selector_top_k": top_k, "keys_only_scores":
-                                                               "fast_kernel" if keys_in_kernel else "refresh",
-                                                               "balanced_splits": balanced}}],
+                                                               "fast_kernel" if keys_in_kernel else "refresh"}}],
                                             hq, hkv, d, dtype, device, layers)
     ctl.executor.step_refresh = StepRefresh(capture_after=2, **({} if chunk_bytes is None else
                                                                  {"logits_bytes": chunk_bytes}))
@@ -556,7 +556,8 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     # the drafter's graph pads the batch by one row (drafter_graphs): the build asks vLLM's
     # dispatcher for the padding, and the tables it makes then serve the graph's decision
     padded = n + 1
-    builder._row_tables = torch.zeros(uniform_table_rows(True, False), padded, dtype=torch.int32, device=device)
+    builder._row_tables = torch.zeros(uniform_table_rows(True, ctl.cfg.balanced_splits), padded, dtype=torch.int32,
+                                      device=device)
     builder._kv_heads = hkv
     builder._graph_seq_lens = torch.zeros(padded, dtype=torch.int32, device=device)
     builder._graph_block_table = None
@@ -567,7 +568,8 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
     dispatcher = SimpleNamespace(dispatch=lambda rows: (CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=rows + 1)))
     proposer = SimpleNamespace(model=object(), method="draft_model", cudagraph_dispatcher=dispatcher)
     ctl.first_pass_rows = lambda c: first_pass_graph_rows(ctl, proposer, c)  # what the propose wrapper sets
-    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    ws = torch.empty(uniform_workspace_numel(n + 1, hq, hkv, d, balanced=ctl.cfg.balanced_splits), dtype=torch.float32,
+                     device=device)
 
     paged, cam, _ = device_batch(seq_lens, device, dtype, hq, hkv, d, seed=5)
     pageds = [PagedKV(paged.kv_cache.clone(), "flash", d) for _ in range(layers)]
@@ -595,6 +597,7 @@ def check_drafter_first_pass_uniform(monkeypatch, device="cuda", dtype=torch.bfl
         meta = builder.build_for_drafting(fcam, 0)
         plan = ctl.draft_plans[0][1]
         assert ctl.draft_graph is not None and ctl.draft_graph[0] == padded and meta.sfi_uniform.rows == padded
+        assert meta.sfi_uniform.splits is not None  # balanced splits, the default
         assert decide(proposer, ctl, CUDAGraphMode.PIECEWISE, padded, None)[0] == CUDAGraphMode.FULL
         # a second attention group's build of the same pass runs nothing staged: the pass's own
         # slow rows are refreshed after its forward
@@ -675,9 +678,9 @@ def test_wide_dense_tiles_setting_gates_the_launch(on):
 
 @pytest.mark.parametrize("on", [False, True])
 def test_one_wave_splits_setting_picks_the_split_rule(on):
-    """``sfi.experimental.one_wave_splits``: off, uniform launches take the smallest split count
-    whose programs reach 528; on, the largest whose programs stay within 528 (never more than off,
-    so the shared workspace holds both)."""
+    """``sfi.experimental.one_wave_splits`` (with ``balanced_splits`` off, which it needs): off,
+    uniform launches take the smallest split count whose programs reach 528; on, the largest whose
+    programs stay within 528 (never more than off, so the shared workspace holds both)."""
     from sfi_vllm.backends import packed_layer as pl
     from sfi_vllm.compact import PackedCompactBuffer
     from sfi_vllm.config import build_config
@@ -685,7 +688,7 @@ def test_one_wave_splits_setting_picks_the_split_rule(on):
     from sfi_vllm.kernels.fast_decode import uniform_num_splits
     from test_sfi_layer import fake_vllm_config
 
-    over = {"boundary_token_ids": [7], "experimental": {"one_wave_splits": on}}
+    over = {"boundary_token_ids": [7], "balanced_splits": False, "experimental": {"one_wave_splits": on}}
     ctl = SFIController(build_config(over, use_env=False), fake_vllm_config(over, max_model_len=8192))
     packed = PackedCompactBuffer(2, 3, ctl.cfg.compact_capacity(8192), 32, torch.float32, "cpu")
     layer = pl.PackedSFILayer(ctl, 6, 3, 32, scale=32 ** -0.5, packed=packed)

@@ -63,7 +63,7 @@ def overlap_stacks(overlap_values, hq, hkv, d, dtype, device, layers, seq_lens, 
 def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                           seq_lens=(3000, 900, 5000, 1400), layers=3, unified=False,
                           sleep_cycles=200_000_000):
-    from sfi_vllm.backends.common import uniform_tables
+    from sfi_vllm.backends.common import uniform_table_rows, uniform_tables
     from sfi_vllm.trigger import StepMode
     from test_sfi_layer import plan_for
     from sfi_vllm.kernels.fast_decode import uniform_workspace_numel
@@ -78,7 +78,9 @@ def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=1
     for (c, st) in ((ctl, stack), (ref_ctl, ref_stack)):
         for layer, p in zip(st, caches[id(c)]):
             layer.kv = p.nhd_views()
-    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d), dtype=torch.float32, device=device)
+    # the engine default, balanced splits: the larger grids' workspace
+    assert ctl.cfg.balanced_splits and ref_ctl.cfg.balanced_splits
+    ws = torch.empty(uniform_workspace_numel(n, hq, hkv, d, balanced=True), dtype=torch.float32, device=device)
     ctx = list(seq_lens)
     reselected = [0, 2]  # the rows of the keys-only slow step
 
@@ -94,7 +96,7 @@ def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=1
         runner's end of step. Returns the layers' outputs."""
         if join:
             c.executor.join_refresh(p, step_no)
-        tables = uniform_tables(p, cam, persistent[id(c)], c)
+        tables = uniform_tables(p, cam, persistent[id(c)], c, hkv)
         outs = []
         for li, layer in enumerate(st):
             out = torch.full_like(qs[li], float("nan"))
@@ -106,7 +108,8 @@ def check_refresh_overlap(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=1
         c.end_step()
         return outs
 
-    persistent = {id(c): torch.zeros(2, n, dtype=torch.int32, device=device) for c in (ctl, ref_ctl)}
+    persistent = {id(c): torch.zeros(uniform_table_rows(False, True), n, dtype=torch.int32, device=device)
+                  for c in (ctl, ref_ctl)}
     q_first = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
     q_keys = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
     q_read = [torch.randn(n, hq, d, generator=g).to(device, dtype) for _ in range(layers)]
