@@ -102,7 +102,9 @@ def fa3_us(q, kc, vc, bt, lens, max_len) -> float:
 
 def sfi_fast_us(q, kc, vc, bt, lens, n_compact: int, window_start: int, uniform: bool = False) -> tuple[float, int]:
     """The fast-step kernel over ``n_compact`` compact tokens + the paged window from
-    ``window_start``; ``uniform``: with the CUDA-graph split count the engine uses."""
+    ``window_start``; ``uniform``: with the CUDA-graph split count of ``balanced_splits: false``
+    (every row the same count; with every row of one kind, balanced splits took 0.99-1.03x that
+    launch's time on an H100: benchmarks/results/balanced-splits-e2e-h100.md)."""
     from sfi_vllm.kernels.fast_decode import (default_num_splits, fast_decode_attention, make_workspace,
                                               uniform_num_splits)
 

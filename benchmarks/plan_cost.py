@@ -7,8 +7,9 @@ preset, the lagged token reader that a GPU engine uses, a one-token boundary voc
 steady decode steps, every row past its first selection, as vLLM's model runner would call it
 before each forward pass. Prints the mean per step over 300 steps (after 100 warm-up steps) per
 batch size; ``--profile B`` adds cProfile's top functions at batch B; ``--balanced-splits`` also
-makes each step's split table of ``balanced_splits`` (8 KV heads, as the CUDA
-metadata builder does for a uniform step). Under vLLM's async
+makes each step's split table of ``balanced_splits`` (8 KV heads), as the CUDA metadata builder
+does for every uniform step with the engine's default settings: without it the figure is that of
+``balanced_splits: false``. Under vLLM's async
 scheduling this host time overlaps the previous step's device time; where it is longer (small
 models, large batches) it sets the step.
 """

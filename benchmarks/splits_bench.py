@@ -1,8 +1,10 @@
 """The fast-step kernel's split count in uniform (CUDA-graph) launches: one launch under a CUDA graph
 by split count, at five decode points, for two row kinds: every row dense at the full context (a
 bridge step's rows) and every row on the default 2,308-token working set (2,052 compact tokens + a
-256-token window: a fast step). The engine takes ``uniform_num_splits(rows, kv_heads)`` splits
-(marked ``*``; ``experimental.one_wave_splits``' count is marked ``w``); the sweep shows whether another count, e.g. one that keeps rows x KV heads x
+256-token window: a fast step). With ``sfi.balanced_splits: false`` (every row the same count;
+balanced splits, the default, are timed by mixed_rows_bench.py) the engine takes
+``uniform_num_splits(rows, kv_heads)`` splits (marked ``*``; ``experimental.one_wave_splits``'
+count is marked ``w``); the sweep shows whether another count, e.g. one that keeps rows x KV heads x
 splits within one wave of programs, reads the keys faster. Needs only torch and Triton; with vLLM
 importable it also times FA3 over the dense rows.
 

@@ -31,8 +31,8 @@ the same launch. On the H200, 64-key tiles took 13-14% off dense rows at 128K co
 for dense rows of at least 64K keys in launches of at most 8 rows
 (benchmarks/results/wide-tiles-h200.txt).
 
-Balanced splits (``row_splits``; the engine passes them unless ``sfi.balanced_splits`` is off):
-without them every row of a launch is cut into the same number of splits, so in a batch of mostly
+Balanced splits (``row_splits``; the engine passes them to its uniform, CUDA-graph launches
+unless ``sfi.balanced_splits`` is off, and never to eager ones): without them every row of a launch is cut into the same number of splits, so in a batch of mostly
 fast rows (a few thousand keys each) a dense row (tens of thousands: a bridge row, a pool-full
 fallback) runs on as few programs as a fast row, each reading several times the keys, and the
 launch waits for them. With ``row_splits`` each row takes its own count, at most the grid's
@@ -41,9 +41,9 @@ it reads (:func:`balanced_row_splits`), and the grid is made larger (:func:`bala
 The programs past a row's count read only the row's table entries and write only an empty
 log-sum-exp, which the merge skips. They skip the body, which is one branch: compiled with row
 splits and score frames, a body outside a branch takes 112-114 registers instead of 96 (one
-program fewer per SM; launches of one kind of row then took 1.04-1.42x the other rule's time on
-an H100, benchmarks/results/balanced-splits-kernel-h100.md). In the branch the kernel keeps 96
-registers. Without row splits the branch's condition is a constant and folds away. On an H100
+program fewer per SM; in such a kernel launches of one kind of row took 1.04-1.42x the other
+rule's time at 16 x 16K and 8 x 32K on an H100, benchmarks/results/balanced-splits-kernel-h100.md).
+In the branch the kernel keeps 96 registers. Without row splits the branch's condition is a constant and folds away. On an H100
 (``benchmarks/mixed_rows_bench.py --engine-launch``) a launch with one or two dense or scored rows
 among fast rows takes 0.31-0.53x the other rule's time at 16 x 16K, 8 x 32K and 6 x 128K, and one
 of a single kind of row 0.99-1.03x (benchmarks/results/balanced-splits-e2e-h100.md, which has the

@@ -175,8 +175,8 @@ class ExperimentalConfig(_StrictNumbers):
             "the largest split count whose programs (rows x KV heads x splits) fit in one wave of 528 "
             "(132 SMs x 4) instead of the smallest that reaches 528 (e.g. 8 splits instead of 9 at 8 "
             "rows of 8 KV heads, 4 instead of 5 at 16 rows), so that on a 132-SM GPU no program waits for a "
-            "second wave. In the kernel alone on an H100 it was slower than the default at 16 x 16K and 8 x "
-            "32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md). "
+            "second wave. In the kernel alone on an H100 it was slower than the smallest count at 16 x 16K "
+            "and 8 x 32K and at most 0.5 us faster at 4 x 32K (benchmarks/splits_bench.py; docs/settings.md). "
             "Needs balanced_splits false"
         ),
     )
@@ -555,8 +555,8 @@ class EngineSettings(_SettingsModel):
             "a dense row among fast rows (a request in its dense bridge, a pool-full fallback) does not "
             "leave the launch waiting on a few long programs; false: every row the same split count. "
             "End to end on an H100 at 16 x 16K: 2.03-2.04x dense against 1.40-1.41x with 2 of 16 rows "
-            "dense, level (within 1%) where every row is fast, at 16 x 16K and 8 x 32K; the H200 and "
-            "batches over 16 rows not measured (docs/settings.md)"
+            "dense; level (within 1%) where every request has its set, at 16 x 16K and 8 x 32K; the "
+            "H200, batches over 16 rows and the lossless mode not measured (docs/settings.md)"
         ),
     )
     experimental: ExperimentalConfig = Field(default_factory=ExperimentalConfig)

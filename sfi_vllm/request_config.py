@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel
 
-from sfi_vllm.config import MOVED_FIELDS, PRESETS, SFIConfig, SFIConfigError, build_config, echo, engine_fields, merge_policy
+from sfi_vllm.config import MOVED_FIELDS, PRESETS, PROMOTED_FIELDS, SFIConfig, SFIConfigError, build_config, echo, engine_fields, merge_policy
 
 REQUEST_KEY = "sfi"  # extra_args["sfi"]: a dict, or a JSON object as a string
 FLAT_PREFIX = "sfi_"
@@ -281,8 +281,9 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
                                   "(a request's flat SFI keys are lower-case, sfi_ then the field, with "
                                   "underscores: sfi_selected_tokens, sfi_selector_alpha)", f"{where}.{key}")
         group = key[len(FLAT_PREFIX):] if key.startswith(FLAT_PREFIX) else None
-        if path is None and group in MOVED_FIELDS:
-            moved = MOVED_FIELDS[group]
+        promoted = group[len("experimental_"):] if group and group.startswith("experimental_") else None
+        if path is None and (group in MOVED_FIELDS or promoted in PROMOTED_FIELDS):
+            moved = MOVED_FIELDS[group] if group in MOVED_FIELDS else PROMOTED_FIELDS[promoted]
             raise SFIRequestError(f"{where}.{key}: moved to sfi.{moved} "
                                   f"({FLAT_PREFIX}{moved.replace('.', '_')})", f"{where}.{key}")
         if path is None and group in _nested_models():

@@ -393,6 +393,12 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
         assert info.value.param == param
     with pytest.raises(SFIConfigError, match="moved to sfi.experimental.selector_top_k"):
         build_config({"selector_top_k": "torch"}, use_env=False)
+    # experimental fields that became settings, flat and nested
+    for extra, needle in (({"sfi_experimental_balanced_splits": True}, r"moved to sfi.balanced_splits \(sfi_balanced_splits\)"),
+                          ({"sfi_experimental_drafter_graphs": False}, r"moved to sfi.drafter_graphs \(sfi_drafter_graphs\)"),
+                          ({"sfi": {"experimental": {"balanced_splits": True}}}, "moved to sfi.balanced_splits")):
+        with pytest.raises((SFIRequestError, SFIConfigError), match=needle):
+            resolve_request_config(lim, extra)
 
 
 def _union(engine: dict, request: dict) -> dict:
@@ -425,6 +431,7 @@ def test_merging_a_policy_over_an_engine_equals_building_the_union(engine, reque
 OTHER_ENGINE_VALUES = {"mode": "lossless", "newline_is_boundary": False, "boundary_token_ids": [1, 2],
                        "boundary_read": "exact", "kernels": "torch", "side_stream": False, "refresh_overlap": True,
                        "slow_refresh": "per_layer", "slow_in_graph": False, "fused_scores_tokens": 0, "drafter_graphs": False, "drafter_kv": "own",
+                       "balanced_splits": False,
                        "experimental": {"selector_top_k": "triton"}, "compact_memory_gib": 1.0,
                        "stats_file": "/tmp/s.jsonl"}
 

@@ -204,7 +204,7 @@ def check_step_refresh(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
 
 def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
                      seq_lens=(3000, 900, 5000, 1400), layers=3, steps=4, retention=0.15, fused=False,
-                     top_k="torch", keys=False, keys_in_kernel=False, chunk_bytes=None, balanced=False):
+                     top_k="torch", keys=False, keys_in_kernel=False, chunk_bytes=None, balanced=True):
     """``slow_in_graph``: a slow step run as a uniform step (the fast-step kernel attends densely
     for the slow rows and stages every row's query; the refresh runs from the plan when the step
     ends) against the per-layer refresh of the same queries, layer by layer, and the slow rows'
@@ -216,7 +216,8 @@ def check_graph_slow(device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128,
     the second step on the slow rows attend through the sets they have (against the reference
     layers' eager fast path over the same sets) and are scored in the refresh into the fused frames
     (``keys_in_kernel``: by the fast-step kernel's keys-only pass). ``chunk_bytes``: the refresh's
-    logits budget (1: one layer per Selector call). ``balanced``: ``balanced_splits``."""
+    logits budget (1: one layer per Selector call). ``balanced``: ``balanced_splits`` (the
+    engine's default; false: every row the same split count)."""
     from sfi_vllm.attention_ref import dense_attention
     from sfi_vllm.backends.common import attach_fast_tables, make_step, uniform_table_rows, uniform_tables
     from sfi_vllm.backends.selection import SlowStepSelection
@@ -383,16 +384,16 @@ def test_step_refresh(device, dtype, kw):
                                     keys_in_kernel=True),
          id="fused-keys_in_kernel-" + shape_id(torch.float32, **CPU_SHAPE)),
     case("cpu", torch.float32, dict(**CPU_SHAPE, seq_lens=CPU_ROWS, layers=2, steps=2, fused=True, keys=True,
-                                    keys_in_kernel=True, balanced=True),
-         id="fused-keys_in_kernel-balanced-" + shape_id(torch.float32, **CPU_SHAPE)),
+                                    keys_in_kernel=True, balanced=False),
+         id="fused-keys_in_kernel-equal_splits-" + shape_id(torch.float32, **CPU_SHAPE)),
     *(case("cuda", dtype, dict(**shape, **over), id=name + shape_id(dtype, **shape),
            selection=dtype == torch.bfloat16 and "top_k" not in over)
       for dtype, shape in GPU
       for name, over in (("unfused-torch_top_k-", {}), ("fused-torch_top_k-", dict(fused=True)),
                          ("unfused-triton_top_k-", dict(top_k="triton")), ("fused-keys-", dict(fused=True, keys=True)),
                          ("fused-keys_in_kernel-", dict(fused=True, keys=True, keys_in_kernel=True)),
-                         ("fused-keys_in_kernel-balanced-", dict(fused=True, keys=True, keys_in_kernel=True,
-                                                                 balanced=True)),
+                         ("fused-keys_in_kernel-equal_splits-", dict(fused=True, keys=True, keys_in_kernel=True,
+                                                                     balanced=False)),
                          ("unfused-keys-", dict(keys=True)))),
 ])
 def test_graph_slow(device, dtype, kw):
