@@ -882,15 +882,32 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
         merged["selected_fraction"] = None
     if "preset" in request and request["preset"] not in PRESETS:
         merged["preset"] = request["preset"]  # validated (and refused, naming the field) below
+    # An engine-wide field the request changes is named as such before the whole config is
+    # validated, so a cross-field check it trips (one_wave_splits against balanced_splits) does not
+    # hide that the request may not set it; a value that fails on its own is build_config's to name.
+    try:
+        asked_engine = EngineSettings.model_validate({key: merged[key] for key in EngineSettings.model_fields})
+    except ValidationError:
+        asked_engine = None
+    if asked_engine is not None:
+        _refuse_engine_change(asked_engine, engine, request, names)
     cfg = build_config(merged, use_env=False, field_names=names)
+    _refuse_engine_change(cfg, engine, request, names)
+    return cfg
+
+
+def _refuse_engine_change(asked_config: BaseModel, engine: SFIConfig, request: Mapping[str, Any],
+                          names: Mapping[tuple, str]) -> None:
+    """Raise :class:`SFIConfigError` naming the first EngineSettings field whose value in
+    ``asked_config`` (validated) differs from ``engine``'s."""
     for key in EngineSettings.model_fields:
-        if getattr(cfg, key) == getattr(engine, key):
+        if getattr(asked_config, key) == getattr(engine, key):
             continue
         # the request's own key (the field, or one of its nested fields), else the preset that set it
         own = [p for p in ((key,), *names) if p[:1] == (key,) and p in names]
         path = own[0] if own else (key,) if key in request or "preset" not in request else ("preset",)
         name = names.get(path, f"sfi.{'.'.join(path)}")
-        asked, theirs, field = getattr(cfg, key), getattr(engine, key), key  # asked as validated
+        asked, theirs, field = getattr(asked_config, key), getattr(engine, key), key  # asked as validated
         while isinstance(asked, BaseModel) and isinstance(theirs, BaseModel):  # the nested field that differs
             sub = next(f for f in type(asked).model_fields if getattr(asked, f) != getattr(theirs, f))
             asked, theirs, field = getattr(asked, sub), getattr(theirs, sub), f"{field}.{sub}"
@@ -900,4 +917,3 @@ def merge_policy(engine: SFIConfig, request: Mapping[str, Any], *,
                                "set it in the engine's --additional-config")
         error.locs = [path]
         raise error
-    return cfg

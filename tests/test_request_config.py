@@ -385,6 +385,11 @@ def test_an_experimental_option_is_engine_wide_and_named_as_the_client_wrote_it(
     assert same.experimental.selector_top_k == "auto"
     with pytest.raises(SFIRequestError, match="engine-wide: a request may only repeat the engine's values"):
         resolve_request_config(lim, {"sfi_experimental": 1})
+    # an engine-wide option that would also trip a cross-field check is named as engine-wide
+    with pytest.raises(SFIRequestError, match="sfi.experimental is an engine-wide setting") as e:
+        resolve_request_config(lim, {"sfi_experimental_one_wave_splits": 1})
+    assert e.value.param == "vllm_xargs.sfi_experimental_one_wave_splits"
+    assert "needs balanced_splits false" not in str(e.value)
     # its old top-level place is named with the new one, as at start-up
     for extra, param in (({"sfi": '{"selector_top_k": "torch"}'}, "vllm_xargs.sfi.selector_top_k"),
                          ({"sfi_selector_top_k": "torch"}, "vllm_xargs.sfi_selector_top_k")):
