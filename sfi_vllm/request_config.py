@@ -156,14 +156,13 @@ def _meant_key(key: str) -> str | None:
 
 def mapping_name(extra_args: Any) -> str:
     """How errors name the ``sfi`` entry of a request's ``extra_args``: ``extra_args`` for a
-    mapping (only an offline caller can pass one: ``vllm_xargs`` refuses nested objects), else
-    ``vllm_xargs``. Flat keys and a JSON string look the same from both, and are named as an
-    HTTP client writes them."""
-    return (
-        "extra_args"
-        if isinstance(extra_args, Mapping) and isinstance(extra_args.get(REQUEST_KEY), Mapping)
-        else "vllm_xargs"
-    )
+    mapping or ``None`` (only an offline caller can pass either: ``vllm_xargs`` refuses nested
+    objects and nulls), else ``vllm_xargs``. Flat keys and a JSON string look the same from both,
+    and are named as an HTTP client writes them."""
+    if not isinstance(extra_args, Mapping) or REQUEST_KEY not in extra_args:
+        return "vllm_xargs"
+    entry = extra_args[REQUEST_KEY]
+    return "extra_args" if entry is None or isinstance(entry, Mapping) else "vllm_xargs"
 
 
 def sfi_entries(extra_args: Any) -> dict[str, Any]:
@@ -187,6 +186,11 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _DuplicateKey(f"the key {echo(key)} is given twice")
         out[key] = value
     return out
+
+
+def loads_without_duplicate_keys(text: str) -> Any:
+    """``json.loads(text)``, but a key given twice in one object raises ValueError."""
+    return json.loads(text, object_pairs_hook=_object_without_duplicates)
 
 
 def request_overrides(extra_args: Any, where: str = "vllm_xargs",
@@ -235,7 +239,7 @@ def request_overrides(extra_args: Any, where: str = "vllm_xargs",
             if unsendable is not None:
                 raise SFIRequestError(f"{name}: {unsendable}", name)
             try:
-                raw = json.loads(raw, object_pairs_hook=_object_without_duplicates)
+                raw = loads_without_duplicate_keys(raw)
             except _DuplicateKey as e:
                 raise SFIRequestError(f"{name}: {e}; give each setting once", name) from None
             except (ValueError, RecursionError) as e:  # JSONDecodeError, numbers or nesting past the parser's limits

@@ -41,6 +41,32 @@ def test_default_cache_dir_env(monkeypatch, tmp_path):
     assert model_dir(tmp_path) == tmp_path / "models" / MODEL_NAME
 
 
+def test_cache_folder_is_absolute_and_never_empty(monkeypatch, tmp_path):
+    """A relative folder (given or in $SFI_VLLM_CACHE) becomes absolute, so the directory that
+    ``DIR=$(sfi-vllm prepare-model)`` prints still names the model after a ``cd``; an empty folder
+    given is refused (it would mean the current directory); an empty variable means unset."""
+    monkeypatch.chdir(tmp_path)
+    assert model_dir("rel") == tmp_path / "rel" / "models" / MODEL_NAME
+    monkeypatch.setenv("SFI_VLLM_CACHE", "env-rel")
+    assert model_dir() == tmp_path / "env-rel" / "models" / MODEL_NAME
+    monkeypatch.setenv("SFI_VLLM_CACHE", "")
+    assert model_dir() == Path.home() / ".cache" / "sfi-vllm" / "models" / MODEL_NAME
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="cache folder is empty"):
+            model_dir(empty)
+
+
+def test_cli_refuses_an_empty_cache_dir(tmp_path):
+    """``--cache-dir ""`` (an unset shell variable, say) stops with status 2 before anything is
+    written, rather than download into the current directory."""
+    for command in ("prepare-model", "demo"):
+        proc = subprocess.run([sys.executable, "-m", "sfi_vllm.tools.cli", command, "--cache-dir", ""],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert "argument --cache-dir: empty" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_is_prepared_rejects_incomplete_or_stale(tmp_path):
     d = tmp_path / "m"
     d.mkdir()

@@ -23,6 +23,10 @@ SMALL_SFI = {"sinks": 4, "selected_tokens": 64, "recent_window": 64, "reuse_budg
 def test_parse_native_and_openai_batch_lines():
     rid, req = parse_line('{"id": "a", "prompt": "hi", "sampling": {"max_tokens": 3}, "sfi": {"policy": "dense"}}', 1)
     assert rid == "a" and req.prompt == "hi" and req.sampling == {"max_tokens": 3} and req.sfi == {"policy": "dense"}
+    # a JSON string under sfi holds the object, as extra_args["sfi"] may offline (native and body)
+    for line in ({"id": "s", "prompt": "hi", "sfi": '{"policy": "dense"}'},
+                 {"custom_id": "s", "body": {"prompt": "hi", "sfi": '{"policy": "dense"}'}}):
+        assert parse_line(json.dumps(line), 1)[1].sfi == {"policy": "dense"}
     rid, req = parse_line('{"messages": [{"role": "user", "content": "x"}]}', 7)
     assert rid == "line-7" and req.messages[0]["content"] == "x"
     line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
@@ -68,6 +72,12 @@ def test_parse_native_and_openai_batch_lines():
      "y", "given twice (body.sfi and body.vllm_xargs)"),
     ('{"id": "x", "prompt": "a", "sfi": {"sinks": 2}, "sampling": {"extra_args": {"sfi": {"sinks": 4}}}}',
      "x", "given twice (sfi and sampling.extra_args.sfi)"),
+    # a JSON string under sfi must hold one object, each key once
+    ('{"id": "x", "prompt": "a", "sfi": "{\\"sinks\\": 2"}', "x", "sfi: a JSON string here must hold an "
+     "object of SFI settings; not valid JSON"),
+    ('{"id": "x", "prompt": "a", "sfi": "[1]"}', "x", "must hold an object of SFI settings; it holds list '[1]'"),
+    ('{"id": "x", "prompt": "a", "sfi": "{\\"sinks\\": 2, \\"sinks\\": 3}"}', "x", "the key 'sinks' is given twice"),
+    ('{"custom_id": "y", "body": {"prompt": "a", "sfi": ""}}', "y", "not valid JSON"),
     # a misspelt SFI key in vllm_xargs is an error of the line, not passed on to extra_args
     ('{"custom_id": "y", "body": {"prompt": "a", "vllm_xargs": {"sfi.sinks": 2}}}', "y", "did you mean 'sfi_sinks'"),
     ('{"custom_id": "y", "body": {"prompt": "a", "vllm_xargs": {"sfi_selectd_tokens": 2}}}', "y",
@@ -311,6 +321,7 @@ def test_a_dense_batch_engine_runs_lines_without_their_sfi_settings(tmp_path, mo
     assert sorted(seen) == ["native", "openai", "plain"] and t["sfi_settings_unused"] == 2
     refused, typo, body_typo = map(json.loads, (tmp_path / "dense.jsonl").read_text().splitlines())
     assert refused["id"] == "bad-sampling" and "temperature" in refused["error"]
+    assert refused["error"].split()[0] != "VLLMValidationError:", refused  # the message alone, as the others
     assert typo == {"id": "typo", "line": 5, "error": "sampling.max_token: not a field of vLLM's SamplingParams; "
                     "did you mean 'max_tokens'?"}, typo
     assert body_typo["error"] == "body.top_kk: not a field of vLLM's SamplingParams; did you mean 'top_k'?", body_typo

@@ -537,6 +537,18 @@ def test_values_vllm_cannot_send_to_its_engine_process_are_refused():
     assert (got.selector.alpha, got.selected_tokens, tuple(got.boundary_token_ids)) == (1.0, 32, (7,))
 
 
+def test_the_sfi_entry_is_named_as_the_caller_wrote_it():
+    """``extra_args`` for what only an offline caller can pass (an object, None), ``vllm_xargs``
+    for what an HTTP request carries as well (a JSON string, a number, a list, flat keys)."""
+    lim = limits()
+    for extra, param in (({"sfi": None}, "extra_args.sfi"), ({"sfi": {"sinkz": 1}}, "extra_args.sfi.sinkz"),
+                         ({"sfi": "null"}, "vllm_xargs.sfi"), ({"sfi": 3}, "vllm_xargs.sfi"),
+                         ({"sfi": ["x"]}, "vllm_xargs.sfi"), ({"sfi_sinkz": 1}, "vllm_xargs.sfi_sinkz")):
+        with pytest.raises(SFIRequestError) as info:
+            resolve_request_config(lim, extra, mapping_where=mapping_name(extra))
+        assert info.value.param == param, (extra, info.value.param)
+
+
 def test_a_preset_that_outgrows_the_buffers_is_named_with_what_it_brings():
     """A request's preset brings its whole budget (K, or the default selected_cap beside a
     fraction): the refusal names the preset, not the fraction the request repeated."""

@@ -6,7 +6,7 @@ Every input line is one request, in either form:
   optionally with ``"sampling": {...}`` (any ``vllm.SamplingParams`` field: ``max_tokens``,
   ``temperature``, ``top_p``, ``stop``, ...) and ``"sfi": {...}`` (the request's SFI settings, as
   in ``SamplingParams(extra_args={"sfi": ...})``, e.g. ``{"selected_tokens": 512}`` or
-  ``{"policy": "dense"}``);
+  ``{"policy": "dense"}``, or the same object as a JSON string);
 * a line of vLLM's ``run-batch`` / OpenAI batch file: ``{"custom_id": "a", "url":
   "/v1/chat/completions", "body": {"messages": [...], "max_tokens": 64, ...}}``; the body's
   sampling fields are used as above and its ``sfi`` key (or ``vllm_xargs``: ``sfi`` or flat ``sfi_*``
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class BatchLine(BaseModel):
@@ -57,6 +57,24 @@ class BatchLine(BaseModel):
     sfi: dict[str, Any] | None = None
     # where the sampling fields were written: "sampling", or "body" (an OpenAI run-batch line)
     _sampling_path: str = PrivateAttr("sampling")
+
+    @field_validator("sfi", mode="before")
+    @classmethod
+    def _sfi_object(cls, value: Any) -> Any:
+        """``sfi`` as a JSON string is read as the object it holds, as ``extra_args["sfi"]`` is
+        offline (a key given twice in it is refused, as there)."""
+        if not isinstance(value, str):
+            return value
+        from sfi_vllm.request_config import loads_without_duplicate_keys
+
+        try:
+            parsed = loads_without_duplicate_keys(value)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"a JSON string here must hold an object of SFI settings; not valid JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"a JSON string here must hold an object of SFI settings; it holds "
+                             f"{type(parsed).__name__} {value[:60]!r}")
+        return parsed
 
     @model_validator(mode="after")
     def _one_input(self) -> "BatchLine":
@@ -441,8 +459,8 @@ def _requests(lines: list[tuple[int, str]], skip: set[str], make_params: Callabl
         except (SFIConfigError, UnknownSamplingField) as e:
             yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
             continue
-        except Exception as e:  # SamplingParams refused the sampling fields' values
-            yield dict(id=rid, line=lineno, error=" ".join(f"{type(e).__name__}: {e}".split()))
+        except Exception as e:  # SamplingParams refused the sampling fields' values (the message names them)
+            yield dict(id=rid, line=lineno, error=" ".join(str(e).split()))
             continue
         yield Request(id=rid, params=params, prompt=req.prompt, messages=req.messages, line=lineno)
 

