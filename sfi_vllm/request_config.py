@@ -31,6 +31,7 @@ import difflib
 import json
 import re
 import reprlib
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -130,13 +131,19 @@ def _looks_sfi(key: Any) -> bool:
     is a setting's name written without its separators (``sfiPolicy``, ``sfiselectedtokens``)."""
     if not isinstance(key, str):
         return False
-    k = key.strip().lower()
+    k = _folded(key)
     return (k == REQUEST_KEY or (k.startswith(REQUEST_KEY) and not k[len(REQUEST_KEY)].isalnum())
             or _squashed(k) in _squashed_keys())
 
 
+def _folded(key: str) -> str:
+    """``key`` as compared with the settings' names: NFKC-normalised and case-folded, so that a
+    look-alike spelling (``ſfi_policy``, full-width letters) is recognised and refused, not ignored."""
+    return unicodedata.normalize("NFKC", key).strip().casefold()
+
+
 def _squashed(key: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "", key.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "", _folded(key))
 
 
 @lru_cache(maxsize=1)
@@ -148,7 +155,7 @@ def _squashed_keys() -> dict[str, str]:
 def _meant_key(key: str) -> str | None:
     """The setting a misspelt SFI key most likely means (``SFI.Selected-Tokens`` ->
     ``sfi_selected_tokens``), or None."""
-    flat = re.sub(r"[^a-z0-9]+", "_", key.strip().lower()).strip("_")
+    flat = re.sub(r"[^a-z0-9]+", "_", _folded(key)).strip("_")
     if flat == REQUEST_KEY:
         return REQUEST_KEY
     return flat if flat in flat_keys() else _squashed_keys().get(_squashed(key))

@@ -133,6 +133,9 @@ def test_a_streaming_engine_says_why_a_request_cannot_select():
     # a setting's name without its separators
     ({"sfiPolicy": "dense"}, "vllm_xargs.sfiPolicy", "did you mean 'sfi_policy'"),
     ({"sfiselectedtokens": 512}, "vllm_xargs.sfiselectedtokens", "did you mean 'sfi_selected_tokens'"),
+    # look-alike letters (long s, full width) are the same name after NFKC, not another extension's
+    ({"\u017ffi_policy": "dense"}, "vllm_xargs.\u017ffi_policy", "did you mean 'sfi_policy'"),
+    ({"\uff53\uff46\uff49_sinks": 2}, "vllm_xargs.\uff53\uff46\uff49_sinks", "did you mean 'sfi_sinks'"),
     # a value the request's preset set: the error names the preset, the field the client sent
     ({"sfi_preset": "speed"}, "vllm_xargs.sfi_preset", "sinks + K <= 68"),
     # Quest takes K in whole pages: a page larger than K would select nothing at every context
